@@ -1,0 +1,90 @@
+"""``lmdeploy-pdfix``: ``status`` of the patches, and the GPU-free cluster tools (``sim``, ``soak``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Any
+
+from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.registry import PATCHES, PatchSpec
+
+
+def _patch_status(spec: PatchSpec, disabled: frozenset[str]) -> dict[str, Any]:
+    """What the patch does in this interpreter: applied, disabled by the user, or refused and why."""
+    from lmdeploy_pdfix._bootstrap import load_patch
+    from lmdeploy_pdfix.patching import PatchState
+
+    row: dict[str, Any] = {'name': spec.name, 'target': spec.target, 'summary': spec.summary}
+    if spec.name in disabled:
+        return {**row, 'state': 'disabled', 'reason': f'listed in {settings.DISABLE}'}
+    try:
+        module = importlib.import_module(spec.target)
+        patch = load_patch(spec)
+    except Exception as exc:
+        return {**row, 'state': 'refused', 'reason': f'cannot import: {exc!r}'}
+    if patch.state is PatchState.APPLIED:
+        return {**row, 'state': 'applied', 'reason': None}
+    reason = patch.reason or patch.refusal(module)
+    return {**row, 'state': 'refused' if reason else 'ready', 'reason': reason}
+
+
+def status_report() -> dict[str, Any]:
+    from lmdeploy_pdfix.compat import LMDEPLOY_REQUIREMENT, lmdeploy_version
+
+    disabled = settings.disabled_patches()
+    known = {spec.name for spec in PATCHES}
+    return {
+        'lmdeploy_version': lmdeploy_version(),
+        'supported': LMDEPLOY_REQUIREMENT,
+        'enabled': settings.enabled(),
+        'unknown_disabled_names': sorted(disabled - known),
+        'patches': [_patch_status(spec, disabled) for spec in PATCHES],
+    }
+
+
+def _print_status(report: dict[str, Any]) -> None:
+    toggle = 'on' if report['enabled'] else f'off (set {settings.TOGGLE}=1 to enable)'
+    print(f"LMDeploy {report['lmdeploy_version'] or 'not installed'} (supported: {report['supported']})")
+    print(f'{settings.TOGGLE}: {toggle}')
+    for row in report['patches']:
+        reason = f" - {row['reason']}" if row['reason'] else ''
+        print(f"  {row['name']:<20} {row['state']:<9}{reason}")
+    if report['unknown_disabled_names']:
+        print(f"  unknown names in {settings.DISABLE}: {', '.join(report['unknown_disabled_names'])}")
+
+
+def status(as_json: bool) -> int:
+    report = status_report()
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_status(report)
+    refused = [row for row in report['patches'] if row['state'] == 'refused']
+    return 1 if refused else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ['sim']:
+        from lmdeploy_pdfix.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    if argv[:1] == ['soak']:
+        from lmdeploy_pdfix.soak import main as soak_main
+
+        return soak_main(argv[1:])
+    parser = argparse.ArgumentParser(prog='lmdeploy-pdfix', description=__doc__)
+    commands = parser.add_subparsers(dest='command', required=True)
+    status_parser = commands.add_parser('status', help='LMDeploy version, toggle and the state of every patch')
+    status_parser.add_argument('--json', action='store_true', help='machine-readable output')
+    commands.add_parser('sim', help='GPU-free DistServe cluster: sim up|status|down (see sim --help)')
+    commands.add_parser('soak', help='load loop against a DistServe proxy (see soak --help)')
+    args = parser.parse_args(argv)
+    return status(args.json)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The cache owner: which internal Prefill scheduler session holds a preserved KV cache.
+
+A Prefill node answering a ``with_cache`` request names the owner in ``cache_session_id``. The proxy
+carries it, and only it, to the Decode node (``migration_request.remote_session_id``), onto its shelf and
+into every release. The public response ``id`` is never an owner: for chat it is ``chatcmpl-…``, for
+completions it is the caller's ``session_id`` (``-1`` by default).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CACHE_OWNER_FIELD = 'cache_session_id'
+
+FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
+            'and upgrade the proxy and every Prefill node together.')
+
+
+class PrefillAnswerError(ValueError):
+    """A Prefill answer the proxy cannot migrate from; ``owner`` is set where it could still be read."""
+
+    def __init__(self, problem: str, owner: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.owner = owner
+
+
+@dataclass(frozen=True)
+class PrefillAnswer:
+    """What a Decode node needs to take over a preserved Prefill cache."""
+
+    owner: int
+    block_ids: list[int]
+    first_token_id: int
+
+
+def is_owner_id(value: Any) -> bool:
+    """Internal scheduler session ids are non-negative ints."""
+    return _is_index(value)
+
+
+def _is_index(value: Any) -> bool:
+    # bool is an int subclass, but True is never a session, block or token id
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def single_owner(session_ids: Sequence[int]) -> int | None:
+    """The owner of a request that created exactly one scheduler session; None for zero or several."""
+    return session_ids[0] if len(session_ids) == 1 else None
+
+
+def with_owner(body: dict[str, Any], owner: int | None) -> dict[str, Any]:
+    """``body`` with ``cache_session_id`` added when it carries a retained cache (``cache_block_ids``)."""
+    if owner is not None and 'cache_block_ids' in body:
+        body[CACHE_OWNER_FIELD] = owner
+    return body
+
+
+def sse_chunk_with_owner(chunk: str | bytes, owner: int | None) -> str | bytes:
+    """A ``data: {...}`` stream chunk with the owner added if that chunk carries ``cache_block_ids``."""
+    text = chunk.decode() if isinstance(chunk, bytes) else chunk
+    if owner is None or '"cache_block_ids"' not in text:
+        return chunk
+    events = [_event_with_owner(event, owner) for event in text.split('\n\n')]
+    rewritten = '\n\n'.join(events)
+    return rewritten.encode() if isinstance(chunk, bytes) else rewritten
+
+
+def _event_with_owner(event: str, owner: int) -> str:
+    prefix = 'data: '
+    if not event.startswith(prefix):
+        return event
+    try:
+        payload = json.loads(event[len(prefix):])
+    except ValueError:
+        return event
+    if not isinstance(payload, dict):
+        return event
+    return prefix + json.dumps(with_owner(payload, owner))
+
+
+def parse_prefill_answer(body: Any) -> PrefillAnswer:
+    """Validate a Prefill node's answer to a ``with_cache`` request; raise :class:`PrefillAnswerError`."""
+    if not isinstance(body, dict):
+        raise PrefillAnswerError(f'the Prefill node answered {type(body).__name__}, not a JSON object')
+    if CACHE_OWNER_FIELD not in body:
+        raise PrefillAnswerError(f'the Prefill answer has no {CACHE_OWNER_FIELD!r}, so the proxy cannot tell '
+                                 f'which Prefill session holds the cache. {FIX_HINT}')
+    owner = body[CACHE_OWNER_FIELD]
+    if not is_owner_id(owner):
+        raise PrefillAnswerError(f'the Prefill answer has an invalid {CACHE_OWNER_FIELD!r}: {owner!r} '
+                                 f'(expected a non-negative integer). {FIX_HINT}')
+    block_ids = body.get('cache_block_ids')
+    if not _is_int_list(block_ids) or not block_ids:
+        raise PrefillAnswerError(f'the Prefill answer has no usable cache_block_ids: {block_ids!r}', owner)
+    token_ids = body.get('remote_token_ids')
+    if not _is_int_list(token_ids) or not token_ids:
+        raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
+    return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1])
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_index(item) for item in value)

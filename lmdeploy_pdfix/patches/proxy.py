@@ -1,0 +1,336 @@
+"""The proxy's DistServe chat and completions routes migrate, shelve and release by cache owner (D1, D2, D12).
+
+LMDeploy's proxy takes the Prefill answer's public ``id`` as the cache owner: ``int('chatcmpl-…')`` fails
+every chat with HTTP 500, and completions carry the caller's ``session_id`` (``-1``), so the Decode node's
+free misses and the Prefill session is kept forever. This patch serves both routes in DistServe mode with
+our own relay, which takes the owner from ``cache_session_id`` only, answers a missing or invalid owner
+with a clear 502, releases the Prefill cache on every failure it sees, and returns the Decode node's status
+as it is. Hybrid mode and ``--dummy-prefill`` keep LMDeploy's own handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lmdeploy_pdfix.owner_ids import PrefillAnswer, PrefillAnswerError, parse_prefill_answer
+from lmdeploy_pdfix.patches._routes import find_post_route, restore_route, swap_endpoint
+from lmdeploy_pdfix.patching import Patch, first_problem, lmdeploy_logger, signature_problem
+
+CHAT_PATH = '/v1/chat/completions'
+COMPLETIONS_PATH = '/v1/completions'
+RELEASE_TIMEOUT_S = 10.0
+MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
+
+
+@dataclass
+class _Relay:
+    """One DistServe request on its way through a Prefill node and a Decode node."""
+
+    proxy: ModuleType
+    path: str
+    p_url: str = ''
+    d_url: str = ''
+    owner: int | None = None
+
+    @property
+    def nodes(self):
+        return self.proxy.node_manager
+
+    @property
+    def conn_key(self) -> tuple[str, str]:
+        return (self.p_url, self.d_url)
+
+    def error(self, status: HTTPStatus | int, message: str) -> JSONResponse:
+        return self.proxy.create_error_response(status, message)
+
+    async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
+        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+        node = url
+        start = self.nodes.pre_call(node)
+        try:
+            async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
+                    session.post(url + self.path, json=payload) as response:
+                return response.status, await response.text()
+        finally:
+            self.nodes.post_call(node, start)
+
+    async def release(self, reason: str) -> None:
+        """Free the retained Prefill cache (``/distserve/free_cache``) and take it off the shelf."""
+        if self.owner is None:
+            return
+        owner, self.owner = self.owner, None
+        self.nodes.pd_connection_pool.unshelf_prefill_session(self.conn_key, owner)
+        from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
+
+        free = DistServeCacheFreeRequest(remote_engine_id=self.p_url, remote_session_id=owner)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
+                    session.post(f'{self.p_url}/distserve/free_cache', json=free.model_dump(mode='json')) as response:
+                await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            lmdeploy_logger().warning(f'lmdeploy-pdfix: releasing Prefill session {owner} on {self.p_url} '
+                                      f'({reason}) failed: {exc!r}')
+
+    def migrated(self) -> None:
+        """The Decode node took the cache over (it frees the Prefill session itself)."""
+        if self.owner is not None:
+            self.nodes.pd_connection_pool.unshelf_prefill_session(self.conn_key, self.owner)
+            self.owner = None
+
+
+def _node_url(nodes, model: str, role) -> str | None:
+    try:
+        return nodes.get_node_url(model, role)
+    except Exception:  # LMDeploy raises TypeError instead of returning None when no node matches
+        return None
+
+
+def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
+    prefill = json.loads(json.dumps(request_dict))
+    prefill.update(max_tokens=1, stream=False, with_cache=True, preserve_cache=True)
+    if 'max_completion_tokens' in prefill:
+        prefill['max_completion_tokens'] = 1
+    return prefill
+
+
+def _unsupported(request_dict: dict[str, Any]) -> str | None:
+    if (request_dict.get('n') or 1) > 1:
+        return 'n > 1 is not supported with the DistServe serving strategy.'
+    prompt = request_dict.get('prompt')
+    if isinstance(prompt, list) and len(prompt) != 1:
+        return ('A list of prompts is not supported with the DistServe serving strategy; '
+                'send one prompt per request.')
+    return None
+
+
+def _error_message(status: int, text: str) -> str:
+    """The message of a node's error answer, whatever shape it has."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or HTTPStatus(status).phrase
+    if isinstance(body, dict):
+        error = body.get('error')
+        message = error.get('message') if isinstance(error, dict) else body.get('message') or body.get('text')
+        if message:
+            return str(message)
+    return text.strip()[:500]
+
+
+def _owner_if_any(text: str) -> int | None:
+    try:
+        return parse_prefill_answer(json.loads(text)).owner
+    except (ValueError, PrefillAnswerError) as exc:
+        return getattr(exc, 'owner', None)
+
+
+async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | JSONResponse:
+    try:
+        status, text = await relay.post(relay.p_url, _prefill_request(request_dict))
+    except asyncio.TimeoutError:
+        return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
+    except aiohttp.ClientError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable: {exc}')
+    if status != HTTPStatus.OK:
+        relay.owner = _owner_if_any(text)
+        await relay.release('Prefill error')
+        return relay.error(status, f'Prefill node {relay.p_url}: {_error_message(status, text)}')
+    try:
+        answer = parse_prefill_answer(json.loads(text))
+    except (ValueError, PrefillAnswerError) as exc:
+        relay.owner = getattr(exc, 'owner', None)
+        await relay.release('invalid Prefill answer')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Prefill node {relay.p_url}: {exc}')
+    relay.owner = answer.owner
+    return answer
+
+
+async def _connect(relay: _Relay) -> str | None:
+    pool = relay.nodes.pd_connection_pool
+    if pool.is_connected(relay.p_url, relay.d_url):
+        return None
+    message = relay.proxy.PDConnectionMessage(p_url=relay.p_url, d_url=relay.d_url,
+                                              protocol=relay.nodes.migration_protocol,
+                                              rdma_config=relay.nodes.rdma_config)
+    try:
+        await pool.connect(message)
+    except Exception as exc:
+        return f'Cannot connect Prefill {relay.p_url} and Decode {relay.d_url}: {exc!r}'
+    return None
+
+
+def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer) -> dict[str, Any]:
+    migration = relay.proxy.MigrationRequest(protocol=relay.nodes.migration_protocol,
+                                             remote_engine_id=relay.p_url,
+                                             remote_session_id=answer.owner,
+                                             remote_block_ids=answer.block_ids,
+                                             remote_token_id=answer.first_token_id)
+    return {**request_dict, 'migration_request': migration.model_dump(mode='json')}
+
+
+async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:
+    try:
+        status, text = await relay.post(relay.d_url, decode_request)
+        body = json.loads(text)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        await relay.release('Decode failed')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    if status != HTTPStatus.OK:
+        await relay.release('Decode error')
+        return relay.error(status, f'Decode node {relay.d_url}: {_error_message(status, text)}')
+    relay.migrated()
+    return JSONResponse(body)
+
+
+class _DecodeStream(StreamingResponse):
+    """Relays the Decode node's event stream; whatever ends it, the relay is settled exactly once."""
+
+    def __init__(self, relay: _Relay, session: aiohttp.ClientSession, response: aiohttp.ClientResponse,
+                 settle: Callable[[bool], Any]) -> None:
+        self._session, self._response, self._settle = session, response, settle
+        self._completed = False
+        self._settled = False
+        super().__init__(self._events(), media_type='text/event-stream')
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        async for line in self._response.content:
+            line = line.strip()
+            if line:
+                self._completed = self._completed or line == b'data: [DONE]'
+                yield line + b'\n\n'
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.settle()
+
+    async def settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        self._response.release()
+        await self._session.close()
+        await self._settle(self._completed)
+
+
+async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> StreamingResponse | JSONResponse:
+    start = relay.nodes.pre_call(relay.d_url)
+    session = aiohttp.ClientSession(timeout=relay.nodes.aiotimeout)
+
+    async def settle(completed: bool) -> None:
+        relay.nodes.post_call(relay.d_url, start)
+        if completed:
+            relay.migrated()
+        else:
+            await relay.release('Decode stream ended early')
+
+    try:
+        response = await session.post(relay.d_url + relay.path, json=decode_request)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        await session.close()
+        await settle(False)
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    stream = _DecodeStream(relay, session, response, settle)
+    if response.status != HTTPStatus.OK:
+        text = await response.text()
+        await stream.settle()
+        return relay.error(response.status, f'Decode node {relay.d_url}: {_error_message(response.status, text)}')
+    return stream
+
+
+async def relay_distserve(proxy: ModuleType, path: str, request) -> Any:
+    """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
+    relay = _Relay(proxy=proxy, path=path)
+    request_dict = request.model_dump()
+    problem = _unsupported(request_dict)
+    if problem is not None:
+        return relay.error(HTTPStatus.BAD_REQUEST, problem)
+    roles = proxy.EngineRole
+    relay.p_url = _node_url(relay.nodes, request.model, roles.Prefill) or ''
+    relay.d_url = _node_url(relay.nodes, request.model, roles.Decode) or ''
+    if not relay.p_url or not relay.d_url:
+        missing = 'Prefill' if not relay.p_url else 'Decode'
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {request.model!r}.')
+    answer = await _prefill(relay, request_dict)
+    if isinstance(answer, JSONResponse):
+        return answer
+    problem = await _connect(relay)
+    if problem is not None:
+        await relay.release('connection failed')
+        return relay.error(HTTPStatus.BAD_GATEWAY, problem)
+    relay.nodes.pd_connection_pool.shelf_prefill_session(relay.conn_key, answer.owner)
+    decode_request = _decode_request(relay, request_dict, answer)
+    if request.stream:
+        return await _decode_stream(relay, decode_request)
+    return await _decode(relay, decode_request)
+
+
+def _relaying_distserve(proxy: ModuleType, path: str):
+    def make_endpoint(original):
+        async def endpoint(request, raw_request=None):
+            nodes = proxy.node_manager
+            if nodes.serving_strategy != proxy.ServingStrategy.DistServe or nodes.dummy_prefill:
+                return await original(request, raw_request)
+            rejected = await nodes.check_request_model(request.model)
+            if rejected is not None:
+                return rejected
+            return await relay_distserve(proxy, path, request)
+
+        return endpoint
+
+    return make_endpoint
+
+
+class ProxyDistServePatch(Patch):
+    name = 'proxy_distserve'
+    target = 'lmdeploy.serve.proxy.proxy'
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._originals: list[Any] = []
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
+                                     'MigrationRequest', 'PDConnectionMessage', 'create_error_response')
+                   if not hasattr(module, name)]
+        if missing:
+            return f'missing {", ".join(missing)}'
+        routes = [path for path in (CHAT_PATH, COMPLETIONS_PATH) if find_post_route(module.app.router.routes, path)]
+        if len(routes) != 2:
+            return f'the proxy app does not serve POST {CHAT_PATH} and {COMPLETIONS_PATH}'
+        fields = set(module.MigrationRequest.model_fields)
+        if not fields >= MIGRATION_FIELDS:
+            return f'MigrationRequest lacks {sorted(MIGRATION_FIELDS - fields)}'
+        protocol = importlib.import_module('lmdeploy.pytorch.disagg.conn.protocol')
+        if not hasattr(protocol, 'DistServeCacheFreeRequest'):
+            return 'DistServeCacheFreeRequest is missing'
+        manager = module.NodeManager
+        return first_problem(
+            signature_problem(manager, 'get_node_url', ['self', 'model_name', 'role']),
+            signature_problem(manager, 'pre_call', ['self', 'node_url']),
+            signature_problem(manager, 'post_call', ['self', 'node_url', 'start']),
+            signature_problem(manager, 'check_request_model', ['self', 'model_name']),
+        )
+
+    def _apply(self, module: ModuleType) -> None:
+        routes = module.app.router.routes
+        for path in (CHAT_PATH, COMPLETIONS_PATH):
+            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path)))
+
+    def _revert(self, module: ModuleType) -> None:
+        while self._originals:
+            restore_route(module.app.router.routes, self._originals.pop())
+
+
+PATCH = ProxyDistServePatch()

@@ -1,0 +1,142 @@
+"""Base class of every patch: version and shape guard, idempotent apply, mirror-image revert."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from lmdeploy_pdfix.compat import lmdeploy_version, unsupported_version_reason
+
+
+class PatchState(str, enum.Enum):
+    PENDING = 'pending'  # its LMDeploy module has not been imported in this process
+    APPLIED = 'applied'
+    REFUSED = 'refused'
+    REVERTED = 'reverted'
+
+
+class Patch:
+    """One correction of one LMDeploy module.
+
+    Subclasses name their ``target`` module and implement ``shape_problem`` (why the module does not look
+    like the code this patch was written against, or None), ``_apply`` and ``_revert``. Nothing of
+    LMDeploy is touched unless every check passes.
+    """
+
+    name: str = ''
+    target: str = ''
+
+    def __init__(self) -> None:
+        self.state = PatchState.PENDING
+        self.reason: str | None = None
+        self._module: ModuleType | None = None
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        raise NotImplementedError
+
+    def _apply(self, module: ModuleType) -> None:
+        raise NotImplementedError
+
+    def _revert(self, module: ModuleType) -> None:
+        raise NotImplementedError
+
+    def refusal(self, module: ModuleType) -> str | None:
+        """Why this patch must not touch ``module``, or None when it may."""
+        reason = unsupported_version_reason(lmdeploy_version())
+        if reason is None:
+            reason = self.shape_problem(module)
+        return reason
+
+    def apply(self, module: ModuleType) -> PatchState:
+        if self.state is PatchState.APPLIED:
+            return self.state
+        reason = self.refusal(module)
+        if reason is not None:
+            self._refuse(reason)
+            return self.state
+        try:
+            self._apply(module)
+        except Exception as exc:  # leave LMDeploy stock rather than half-patched
+            self._revert_quietly(module)
+            self._refuse(f'applying failed: {exc!r}')
+            return self.state
+        self._module = module
+        self.state = PatchState.APPLIED
+        self.reason = None
+        return self.state
+
+    def revert(self) -> PatchState:
+        if self.state is PatchState.APPLIED and self._module is not None:
+            self._revert(self._module)
+            self.state = PatchState.REVERTED
+        return self.state
+
+    def _revert_quietly(self, module: ModuleType) -> None:
+        with contextlib.suppress(Exception):  # best effort after a failed apply
+            self._revert(module)
+
+    def _refuse(self, reason: str) -> None:
+        first_time = self.state is not PatchState.REFUSED
+        self.state = PatchState.REFUSED
+        self.reason = reason
+        if first_time:
+            lmdeploy_logger().warning(
+                'lmdeploy-pdfix: patch %r not applied, LMDeploy left stock for it: %s', self.name, reason)
+
+
+def lmdeploy_logger() -> logging.Logger:
+    try:
+        from lmdeploy.utils import get_logger
+    except ImportError:
+        return logging.getLogger('lmdeploy')
+    return get_logger('lmdeploy')
+
+
+def wrapped_original(function: Any) -> Any:
+    """The function a wrapper of ours replaced, or None if ``function`` is not one of our wrappers."""
+    if getattr(function, '__pdfix_wrapper__', False):
+        return function.__wrapped__
+    return None
+
+
+def install_wrapper(owner: Any, attribute: str, make_wrapper: Callable[[Any], Any]) -> None:
+    """Replace ``owner.attribute`` by ``make_wrapper(original)``; a second call changes nothing."""
+    original = getattr(owner, attribute)
+    if wrapped_original(original) is not None:
+        return
+    wrapper = functools.update_wrapper(make_wrapper(original), original)
+    wrapper.__pdfix_wrapper__ = True
+    setattr(owner, attribute, wrapper)
+
+
+def remove_wrapper(owner: Any, attribute: str) -> None:
+    """Put back what :func:`install_wrapper` replaced; nothing happens if it is not ours."""
+    original = wrapped_original(getattr(owner, attribute, None))
+    if original is not None:
+        setattr(owner, attribute, original)
+
+
+def signature_problem(owner: Any, attribute: str, parameters: Sequence[str]) -> str | None:
+    """Why ``owner.attribute`` is not a callable taking exactly ``parameters``, or None."""
+    where = f'{getattr(owner, "__name__", owner)}.{attribute}'
+    target = getattr(owner, attribute, None)
+    if not callable(target):
+        return f'{where} is missing'
+    target = wrapped_original(target) or target
+    try:
+        found = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return f'{where} has no readable signature'
+    if found != list(parameters):
+        return f'{where} takes {found}, this patch was written for {list(parameters)}'
+    return None
+
+
+def first_problem(*problems: str | None) -> str | None:
+    return next((problem for problem in problems if problem is not None), None)
