@@ -205,8 +205,13 @@ class _DecodeStream(StreamingResponse):
     async def _events(self) -> AsyncIterator[bytes]:
         async for line in self._response.content:
             line = line.strip()
+            if line == b'data: [DONE]':
+                # settle before the client sees the end, so its books are balanced when it does
+                self._completed = True
+                await self.settle()
+                yield line + b'\n\n'
+                return
             if line:
-                self._completed = self._completed or line == b'data: [DONE]'
                 yield line + b'\n\n'
 
     async def __call__(self, scope, receive, send) -> None:

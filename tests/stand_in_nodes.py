@@ -1,0 +1,142 @@
+"""Stand-in Prefill and Decode api_servers that speak LMDeploy's DistServe HTTP protocol and record it all.
+
+They answer the proxy's connection handshake with LMDeploy's own protocol models, keep a book of the
+Prefill sessions they retain, and free one when a Decode "migrates" it, as the real nodes do over ZMQ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from lmdeploy.pytorch.disagg.config import DistServeEngineConfig
+from lmdeploy.pytorch.disagg.conn.protocol import (
+    DistServeConnectionResponse,
+    DistServeConnectionStatus,
+    DistServeInitResponse,
+)
+
+MODEL = 'pdfix-stand-in'
+BLOCK_IDS = [3, 4]
+FIRST_TOKEN = 42
+
+
+def decoded_text(owner: Any) -> str:
+    return f'decoded from Prefill session {owner}'
+
+
+@dataclass
+class PrefillBook:
+    """What a Prefill node retains and what it was asked."""
+
+    answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error
+    retained: set[int] = field(default_factory=set)
+    freed: list[int] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    invalid_frees: list[Any] = field(default_factory=list)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
+
+    def free(self, owner: Any) -> None:
+        if owner in self.retained:
+            self.retained.discard(owner)
+            self.freed.append(owner)
+        else:
+            self.invalid_frees.append(owner)
+
+
+@dataclass
+class DecodeBook:
+    answer: str = 'ok'  # ok | error
+    migrations: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _add_handshake(app: FastAPI) -> None:
+    @app.get('/v1/models')
+    async def models():
+        return {'object': 'list', 'data': [{'id': MODEL, 'object': 'model'}]}
+
+    @app.get('/distserve/engine_info')
+    async def engine_info():
+        return DistServeEngineConfig(tp_size=1, ep_size=1, dp_size=1, pp_size=None, dp_rank=0, block_size=64,
+                                     num_cpu_blocks=0, num_gpu_blocks=128).model_dump_json()
+
+    @app.post('/distserve/p2p_initialize')
+    async def p2p_initialize():
+        return DistServeInitResponse(status=DistServeConnectionStatus.SUCCESS,
+                                     engine_endpoint_info={'zmq_address': 'tcp://127.0.0.1:1'},
+                                     kvtransfer_endpoint_info=[]).model_dump(mode='json')
+
+    @app.post('/distserve/p2p_connect')
+    async def p2p_connect():
+        return DistServeConnectionResponse(status=DistServeConnectionStatus.SUCCESS).model_dump(mode='json')
+
+
+def prefill_app(book: PrefillBook) -> FastAPI:
+    app = FastAPI()
+    _add_handshake(app)
+
+    @app.post('/distserve/free_cache')
+    async def free_cache(request: Request):
+        book.free((await request.json())['remote_session_id'])
+        return {'status': 'SUCCESS'}
+
+    async def prefill(request: Request, public_id: str):
+        body = await request.json()
+        book.requests.append(body)
+        if book.answer == 'error':
+            return JSONResponse({'error': {'message': 'prompt too long', 'code': 400}}, status_code=400)
+        owner = next(book._ids)
+        book.retained.add(owner)
+        answer = {'id': public_id, 'object': 'x', 'choices': [], 'cache_block_ids': BLOCK_IDS,
+                  'remote_token_ids': [FIRST_TOKEN], 'cache_session_id': owner}
+        if book.answer == 'no_owner':
+            del answer['cache_session_id']
+        elif book.answer == 'bad_owner':
+            answer['cache_session_id'] = 'chatcmpl-abc'
+        elif book.answer == 'no_blocks':
+            answer['cache_block_ids'] = []
+        return answer
+
+    @app.post('/v1/chat/completions')
+    async def chat(request: Request):
+        return await prefill(request, 'chatcmpl-StandIn')
+
+    @app.post('/v1/completions')
+    async def completions(request: Request):
+        return await prefill(request, str((await request.json()).get('session_id', -1)))
+
+    return app
+
+
+def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
+    app = FastAPI()
+    _add_handshake(app)
+
+    async def decode(request: Request):
+        body = await request.json()
+        migration = body.get('migration_request') or {}
+        book.migrations.append(migration)
+        if book.answer == 'error':
+            return JSONResponse({'error': {'message': 'decode engine failed', 'code': 500}}, status_code=500)
+        owner = migration.get('remote_session_id')
+        await asyncio.sleep(0.01)  # the KV copy
+        prefill.free(owner)  # a real Decode frees the Prefill session over ZMQ once it has copied it
+        text = decoded_text(owner)
+        if body.get('stream'):
+            return StreamingResponse(_events(text), media_type='text/event-stream')
+        return {'id': 'decode', 'object': 'text_completion', 'choices': [{'index': 0, 'text': text}]}
+
+    app.post('/v1/chat/completions')(decode)
+    app.post('/v1/completions')(decode)
+    return app
+
+
+async def _events(text: str):
+    for word in text.split(' '):
+        yield f'data: {json.dumps({"choices": [{"index": 0, "text": word}]})}\n\n'
+    yield 'data: [DONE]\n\n'

@@ -1,0 +1,152 @@
+"""The start-up hook: off means absent, on means every patch applies whatever the import order.
+
+Each case runs in a fresh interpreter of this environment, where the package is installed with its
+``lmdeploy_pdfix.pth`` start-up hook, started outside the repository so the installed copy is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from lmdeploy_pdfix.registry import ENTRY_POINT_GROUP, PATCHES
+
+TARGET = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
+
+# Prints, as JSON: is the proxy shelf wrapped by us, and which of our modules are loaded.
+REPORT = textwrap.dedent(f"""
+    import json, sys
+    import {TARGET} as target
+    unshelf = target.PDConnectionPool.unshelf_prefill_session
+    print(json.dumps({{
+        'wrapped': getattr(unshelf, '__pdfix_wrapper__', False),
+        'double_wrapped': getattr(getattr(unshelf, '__wrapped__', None), '__pdfix_wrapper__', False),
+        'pdfix_loaded': any(name.startswith('lmdeploy_pdfix') for name in sys.modules),
+    }}))
+""")
+
+
+def run_python(code: str, tmp_path: Path, *, toggle: str | None = None, args: tuple[str, ...] = (),
+               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith('LMDEPLOY_PDFIX')}
+    env.pop('PYTHONPATH', None)
+    if toggle is not None:
+        env['LMDEPLOY_PDFIX'] = toggle
+    env.update(extra_env or {})
+    result = subprocess.run([sys.executable, *args, '-c', code], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def logged(result: subprocess.CompletedProcess) -> list[str]:
+    """Log lines, wherever they went (LMDeploy's logger writes to stdout)."""
+    return (result.stdout + result.stderr).splitlines()
+
+
+def last_json(result: subprocess.CompletedProcess) -> dict:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize('toggle', [None, '', '0'], ids=['unset', 'empty', 'zero'])
+def test_toggle_off_leaves_lmdeploy_stock_and_loads_nothing_of_ours(tmp_path: Path, toggle: str | None) -> None:
+    report = last_json(run_python(REPORT, tmp_path, toggle=toggle))
+    assert report == {'wrapped': False, 'double_wrapped': False, 'pdfix_loaded': False}
+
+
+def test_toggle_on_patches_lmdeploy_imported_after_start_up(tmp_path: Path) -> None:
+    report = last_json(run_python(REPORT, tmp_path, toggle='1'))
+    assert report['wrapped'] and not report['double_wrapped']
+
+
+def test_start_up_hook_imports_no_lmdeploy_module(tmp_path: Path) -> None:
+    code = "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'lmdeploy')))"
+    for toggle in (None, '1'):
+        assert json.loads(run_python(code, tmp_path, toggle=toggle).stdout) == []
+
+
+def test_install_after_lmdeploy_was_imported_patches_it_once(tmp_path: Path) -> None:
+    code = f'import {TARGET}\nimport lmdeploy_pdfix\nlmdeploy_pdfix.install()\nlmdeploy_pdfix.install()\n' + REPORT
+    report = last_json(run_python(code, tmp_path))
+    assert report['wrapped'] and not report['double_wrapped']
+
+
+def test_install_twice_with_the_hook_on_wraps_once(tmp_path: Path) -> None:
+    code = 'import lmdeploy_pdfix\nlmdeploy_pdfix.install()\n' + REPORT
+    report = last_json(run_python(code, tmp_path, toggle='1'))
+    assert report['wrapped'] and not report['double_wrapped']
+
+
+def test_python_dash_S_with_explicit_install(tmp_path: Path) -> None:
+    import site
+
+    paths = [path for path in sys.path if path and Path(path).is_dir()] + site.getsitepackages()
+    code = f'import sys\nsys.path[:0] = {paths!r}\nimport lmdeploy_pdfix\nlmdeploy_pdfix.install()\n' + REPORT
+    report = last_json(run_python(code, tmp_path, toggle='1', args=('-S',)))
+    assert report['wrapped']
+
+
+def test_a_patch_the_operator_opted_out_of_stays_stock(tmp_path: Path) -> None:
+    code = REPORT + textwrap.dedent("""
+        import lmdeploy.pytorch.engine.inputs_maker as maker
+        print(json.dumps({'others': getattr(maker.InputsMakerAsync.update_running_seqs, '__pdfix_wrapper__', False)}))
+    """)
+    result = run_python(code, tmp_path, toggle='1', extra_env={'LMDEPLOY_PDFIX_DISABLE': 'proxy_shelf'})
+    first, second = (json.loads(line) for line in result.stdout.strip().splitlines()[-2:])
+    assert not first['wrapped'] and second['others']
+
+
+def test_unsupported_lmdeploy_version_is_refused_once_and_lmdeploy_still_works(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import lmdeploy.version
+        lmdeploy.version.__version__ = '0.16.0'
+        import {TARGET} as target
+        pool = target.PDConnectionPool()
+        pool.shelf_prefill_session(('p', 'd'), 1)
+        pool.unshelf_prefill_session(('p', 'd'), 1)
+        print(getattr(target.PDConnectionPool.unshelf_prefill_session, '__pdfix_wrapper__', False))
+    """)
+    result = run_python(code, tmp_path, toggle='1')
+    assert result.stdout.strip().splitlines()[-1] == 'False'
+    refusals = [line for line in logged(result) if "patch 'proxy_shelf' not applied" in line]
+    assert len(refusals) == 1 and 'outside the supported range' in refusals[0]
+
+
+def test_target_of_unexpected_shape_is_refused_with_the_reason(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import {TARGET} as target
+        def unshelf_prefill_session(self, key, session_id, extra): pass
+        target.PDConnectionPool.unshelf_prefill_session = unshelf_prefill_session
+        import lmdeploy_pdfix
+        lmdeploy_pdfix.install()
+        print(target.PDConnectionPool.unshelf_prefill_session is unshelf_prefill_session)
+    """)
+    result = run_python(code, tmp_path)
+    assert result.stdout.strip().splitlines()[-1] == 'True'
+    refusal, = (line for line in logged(result) if "patch 'proxy_shelf' not applied" in line)
+    assert "takes ['self', 'key', 'session_id', 'extra']" in refusal
+
+
+def test_status_command_reports_every_patch_applied(tmp_path: Path) -> None:
+    code = 'from lmdeploy_pdfix.cli import main\nraise SystemExit(main(["status", "--json"]))'
+    result = run_python(code, tmp_path, toggle='1')
+    report = json.loads(result.stdout[result.stdout.index('{'):])
+    assert report['enabled'] is True
+    assert {row['name']: row['state'] for row in report['patches']} == {spec.name: 'applied' for spec in PATCHES}
+
+
+def test_entry_point_group_lists_every_patch() -> None:
+    names = {entry.name for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    assert names == {spec.name for spec in PATCHES}
+
+
+def test_wheel_installs_the_start_up_hook_at_the_environment_root() -> None:
+    files = metadata.distribution('lmdeploy-pdfix').files or []
+    assert 'lmdeploy_pdfix.pth' in {str(path) for path in files}

@@ -1,0 +1,194 @@
+"""The real LMDeploy proxy app, in DistServe mode, over real HTTP to stand-in Prefill and Decode nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+import httpx
+import pytest
+
+from tests.servers import serving
+from tests.stand_in_nodes import (
+    BLOCK_IDS,
+    FIRST_TOKEN,
+    MODEL,
+    DecodeBook,
+    PrefillBook,
+    decode_app,
+    decoded_text,
+    prefill_app,
+)
+
+CHAT = {'model': MODEL, 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 8}
+COMPLETION = {'model': MODEL, 'prompt': 'hi', 'max_tokens': 8}
+
+
+@dataclass
+class Cluster:
+    proxy: ModuleType
+    url: str
+    p_url: str
+    d_url: str
+    prefill: PrefillBook
+    decode: DecodeBook
+
+    def reset(self) -> None:
+        self.prefill.__init__()
+        self.decode.__init__()
+
+    def register(self, role: str) -> None:
+        roles = self.proxy.EngineRole
+        url = self.p_url if role == 'Prefill' else self.d_url
+        self.proxy.node_manager.add(url, self.proxy.Status(role=getattr(roles, role), models=[MODEL]))
+
+    async def post(self, path: str, body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await client.post(self.url + path, json=body)
+
+
+@pytest.fixture(scope='module')
+def cluster() -> Iterator[Cluster]:
+    proxy = importlib.import_module('lmdeploy.serve.proxy.proxy')  # the package re-exports a function 'proxy'
+    prefill, decode = PrefillBook(), DecodeBook()
+    nodes = proxy.node_manager
+    nodes.cache_status = False  # never write proxy_config.json into site-packages
+    strategy = nodes.serving_strategy
+    nodes.serving_strategy = proxy.ServingStrategy.DistServe
+    with serving(prefill_app(prefill)) as p_url, serving(decode_app(decode, prefill)) as d_url, \
+            serving(proxy.app) as url:
+        yield Cluster(proxy, url, p_url, d_url, prefill, decode)
+    nodes.nodes.clear()
+    nodes.serving_strategy = strategy
+
+
+@pytest.fixture
+def distserve(cluster: Cluster, apply_patch) -> Cluster:
+    apply_patch('proxy_distserve')
+    apply_patch('proxy_shelf')
+    cluster.reset()
+    cluster.register('Prefill')
+    cluster.register('Decode')
+    return cluster
+
+
+def text_of(response: httpx.Response) -> str:
+    choice = response.json()['choices'][0]
+    return choice.get('text') or choice.get('message', {}).get('content', '')
+
+
+@pytest.mark.regression
+async def test_chat_through_the_proxy_answers_with_the_decoded_text(distserve: Cluster) -> None:
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    assert response.status_code == 200, response.text
+    owner = distserve.decode.migrations[-1]['remote_session_id']
+    assert text_of(response) == decoded_text(owner)
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('path, body', [('/v1/chat/completions', CHAT), ('/v1/completions', COMPLETION),
+                                        ('/v1/completions', {**COMPLETION, 'session_id': 7})],
+                         ids=['chat', 'completions', 'completions-with-session-id'])
+async def test_decode_migrates_exactly_the_session_the_prefill_named(distserve: Cluster, path: str,
+                                                                     body: dict) -> None:
+    response = await distserve.post(path, body)
+    assert response.status_code == 200, response.text
+    migration, = distserve.decode.migrations
+    owner, = distserve.prefill.freed
+    assert migration['remote_session_id'] == owner
+    assert migration['remote_block_ids'] == BLOCK_IDS and migration['remote_token_id'] == FIRST_TOKEN
+    assert distserve.prefill.retained == set() and distserve.prefill.invalid_frees == []
+
+
+async def test_prefill_is_asked_for_one_token_with_its_cache_kept(distserve: Cluster) -> None:
+    await distserve.post('/v1/chat/completions', {**CHAT, 'stream': True})
+    asked, = distserve.prefill.requests
+    assert asked['max_tokens'] == 1 and asked['stream'] is False
+    assert asked['with_cache'] is True and asked['preserve_cache'] is True
+
+
+@pytest.mark.regression
+async def test_streamed_chat_relays_the_decode_stream_and_releases_nothing_twice(distserve: Cluster) -> None:
+    async with httpx.AsyncClient(timeout=30) as client, \
+            client.stream('POST', distserve.url + '/v1/chat/completions', json={**CHAT, 'stream': True}) as response:
+        assert response.status_code == 200
+        events = [line async for line in response.aiter_lines() if line.startswith('data: ')]
+    assert events[-1] == 'data: [DONE]'
+    words = [json.loads(event[6:])['choices'][0]['text'] for event in events[:-1]]
+    assert ' '.join(words) == decoded_text(distserve.decode.migrations[-1]['remote_session_id'])
+    assert distserve.prefill.retained == set() and distserve.prefill.invalid_frees == []
+
+
+@pytest.mark.regression
+async def test_32_concurrent_mixed_requests_all_succeed_with_their_own_owner(distserve: Cluster) -> None:
+    bodies = [(('/v1/chat/completions', CHAT), ('/v1/completions', COMPLETION),
+               ('/v1/completions', {**COMPLETION, 'stream': True}))[i % 3] for i in range(32)]
+    responses = await asyncio.gather(*(distserve.post(path, body) for path, body in bodies))
+    assert [response.status_code for response in responses] == [200] * 32
+    owners = [migration['remote_session_id'] for migration in distserve.decode.migrations]
+    assert len(set(owners)) == 32
+    assert sorted(distserve.prefill.freed) == sorted(owners)
+    assert distserve.prefill.retained == set() and distserve.prefill.invalid_frees == []
+    nodes = distserve.proxy.node_manager
+    assert all(not shelf for shelf in nodes.pd_connection_pool.migration_session_shelf.values())
+    assert [nodes.nodes[url].unfinished for url in (distserve.p_url, distserve.d_url)] == [0, 0]
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('answer', ['no_owner', 'bad_owner'])
+async def test_prefill_answer_without_a_valid_owner_gets_a_clear_502(distserve: Cluster, answer: str) -> None:
+    distserve.prefill.answer = answer
+    response = await distserve.post('/v1/completions', COMPLETION)
+    assert response.status_code == 502
+    message = response.json()['message']
+    assert 'cache_session_id' in message and 'lmdeploy-pdfix' in message
+    assert distserve.decode.migrations == []
+
+
+@pytest.mark.regression
+async def test_prefill_answer_with_owner_but_no_cache_is_refused_and_released(distserve: Cluster) -> None:
+    distserve.prefill.answer = 'no_blocks'
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    assert response.status_code == 502
+    assert 'cache_block_ids' in response.json()['message']
+    assert distserve.prefill.retained == set() and len(distserve.prefill.freed) == 1
+
+
+@pytest.mark.regression
+async def test_prefill_error_is_passed_through_with_its_status_and_message(distserve: Cluster) -> None:
+    distserve.prefill.answer = 'error'
+    response = await distserve.post('/v1/completions', COMPLETION)
+    assert response.status_code == 400
+    assert 'prompt too long' in response.json()['message']
+    assert distserve.decode.migrations == []
+
+
+@pytest.mark.regression
+async def test_decode_failure_is_reported_and_the_prefill_cache_released(distserve: Cluster) -> None:
+    distserve.decode.answer = 'error'
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    assert response.status_code == 500
+    assert 'decode engine failed' in response.json()['message']
+    assert distserve.prefill.retained == set() and len(distserve.prefill.freed) == 1
+
+
+@pytest.mark.regression
+async def test_no_decode_node_is_a_503_before_any_prefill_work(distserve: Cluster) -> None:
+    distserve.proxy.node_manager.remove(distserve.d_url)
+    response = await distserve.post('/v1/completions', COMPLETION)
+    assert response.status_code == 503
+    assert 'Decode' in response.json()['message']
+    assert distserve.prefill.requests == []
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('body', [{**COMPLETION, 'n': 2}, {**COMPLETION, 'prompt': ['a', 'b']}], ids=['n2', 'batch'])
+async def test_requests_distserve_cannot_serve_get_a_400_before_any_prefill_work(distserve: Cluster,
+                                                                                 body: dict) -> None:
+    response = await distserve.post('/v1/completions', body)
+    assert response.status_code == 400
+    assert distserve.prefill.requests == []
