@@ -21,11 +21,14 @@ $(VENVS)/lmdeploy-%/.requirements: requirements/cpu-serving.txt requirements/dev
 env: system-deps $(foreach v,$(LMDEPLOY_VERSIONS),$(VENVS)/lmdeploy-$(v)/.requirements)  ## all venvs, with this package installed as a wheel
 	@for v in $(LMDEPLOY_VERSIONS); do \
 		$(VENVS)/lmdeploy-$$v/bin/pip install -q --no-deps --force-reinstall . || exit 1; done
+	@rm -rf build *.egg-info  # setuptools builds in the tree; stale metadata here would shadow the wheel's
 
-test: env  ## the whole suite against every supported LMDeploy release
+test: env  ## the whole suite against every supported LMDeploy release, then proof that regressions fail on stock
 	@for v in $(LMDEPLOY_VERSIONS); do \
 		echo "=== LMDeploy $$v"; \
-		$(VENVS)/lmdeploy-$$v/bin/python -m pytest $(PYTEST_ARGS) || exit 1; done
+		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python -m pytest $(PYTEST_ARGS) || exit 1; \
+		echo "=== LMDeploy $$v, patches off: every regression test must fail"; \
+		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python scripts/prove_regressions.py || exit 1; done
 
 unit: env  ## everything but the cluster end-to-end suite
 	@$(MAKE) --no-print-directory test PYTEST_ARGS="-m 'not e2e' $(PYTEST_ARGS)"

@@ -6,16 +6,19 @@ Standard library only: this module is imported from the interpreter start-up hoo
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
+import _thread
 import sys
-import threading
-from collections.abc import Callable
-from types import ModuleType
 
-ImportCallback = Callable[[ModuleType], None]
+# Start-up budget: importlib.abc alone costs ~30 ms (it pulls in importlib.resources), typing ~8 ms.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
-_lock = threading.RLock()
+    ImportCallback = Callable[[ModuleType], None]
+
+_lock = _thread.RLock()
 _pending: dict[str, list[ImportCallback]] = {}
 
 
@@ -45,13 +48,13 @@ def _run_pending(module: ModuleType) -> None:
             print(f'lmdeploy-pdfix: post-import hook for {module.__name__} failed: {exc!r}', file=sys.stderr)
 
 
-class _PostImportLoader(importlib.abc.Loader):
+class _PostImportLoader:
     """Delegates to the real loader, then fires the hooks of the module it executed."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader) -> None:
         self._loader = loader
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -66,7 +69,7 @@ class _PostImportLoader(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _PostImportFinder(importlib.abc.MetaPathFinder):
+class _PostImportFinder:
     """Wraps the loader of watched modules; every other import passes straight through."""
 
     def find_spec(self, fullname: str, path=None, target=None):

@@ -6,17 +6,21 @@ any patch module (each is imported only once its target has been imported).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 ENTRY_POINT_GROUP = 'lmdeploy_pdfix.patches'
 
 
-@dataclass(frozen=True)
 class PatchSpec:
-    name: str
-    module: str
-    target: str
-    summary: str
+    # a plain class: dataclasses or typing.NamedTuple would cost ~10 ms at every interpreter start-up
+    __slots__ = ('module', 'name', 'summary', 'target')
+
+    def __init__(self, *, name: str, module: str, target: str, summary: str) -> None:
+        self.name = name
+        self.module = module
+        self.target = target
+        self.summary = summary
+
+    def __repr__(self) -> str:
+        return f'PatchSpec({self.name!r} -> {self.target})'
 
 
 PATCHES: tuple[PatchSpec, ...] = (

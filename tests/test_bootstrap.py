@@ -142,11 +142,20 @@ def test_status_command_reports_every_patch_applied(tmp_path: Path) -> None:
     assert {row['name']: row['state'] for row in report['patches']} == {spec.name: 'applied' for spec in PATCHES}
 
 
+def installed_distribution() -> metadata.Distribution:
+    """This package as installed in the environment (not a build's metadata left in the checkout)."""
+    import site
+
+    found = list(metadata.distributions(name='lmdeploy-pdfix', path=site.getsitepackages()))
+    assert found, 'lmdeploy-pdfix is not installed in this environment (make env installs it)'
+    return found[0]
+
+
 def test_entry_point_group_lists_every_patch() -> None:
-    names = {entry.name for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    names = {entry.name for entry in installed_distribution().entry_points if entry.group == ENTRY_POINT_GROUP}
     assert names == {spec.name for spec in PATCHES}
 
 
 def test_wheel_installs_the_start_up_hook_at_the_environment_root() -> None:
-    files = metadata.distribution('lmdeploy-pdfix').files or []
+    files = installed_distribution().files or []
     assert 'lmdeploy_pdfix.pth' in {str(path) for path in files}

@@ -1,0 +1,202 @@
+"""A Prefill node's ``with_cache`` answers name the internal session that owns the retained cache (D1, D2).
+
+These tests drive LMDeploy's real ``/v1/completions`` and ``/v1/chat/completions`` routes, assembled by the
+real ``create_openai_router`` on a real ``ServerContext`` and ``SessionManager``. Only the engine's token
+generation is faked (it needs a model and a GPU): the fake records which scheduler session it was driven
+with, so each answer can be checked against the session that actually holds its cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from lmdeploy.messages import PytorchEngineConfig
+from lmdeploy.pytorch.disagg.config import EngineRole
+from lmdeploy.serve.core.async_engine import GenOut, PreprocessedRequest
+from lmdeploy.serve.managers.session_manager import Session, SessionManager
+from lmdeploy.serve.parsers import ResponseParserManager
+
+from lmdeploy_pdfix.owner_ids import CACHE_OWNER_FIELD
+
+MODEL = 'pdfix-test-model'
+# The server has already handed out this many scheduler sessions, so internal ids never coincide with the
+# public ids a client sees (-1, the caller's session_id) by accident.
+SESSIONS_SERVED_BEFORE = 41
+CACHE_BLOCK_IDS = [11, 12, 13]
+FIRST_TOKEN_ID = 4242
+
+
+class FakePrefillEngine:
+    """The part of ``AsyncEngine`` the OpenAI endpoints use, on a Prefill node, without a model.
+
+    ``preprocess`` returns LMDeploy's own ``PreprocessedRequest``; ``generate`` yields LMDeploy's own ``GenOut``,
+    one output per request, as a Prefill node does (it stops after the first token). A ``with_cache`` request gets
+    its cache block ids back, as the PyTorch engine's migration path reports them.
+    """
+
+    def __init__(self) -> None:
+        self.model_name = MODEL
+        self.arch = 'LlamaForCausalLM'
+        self.backend_config = PytorchEngineConfig(role=EngineRole.Prefill)
+        self.epoch = 0
+        self.session_mgr = SessionManager()
+        self.session_mgr.session_id_generator = itertools.count(SESSIONS_SERVED_BEFORE)
+        # Chat reads ``tokenizer.model.model`` (for logit_bias and logprobs only, which these requests do not use).
+        self.tokenizer = SimpleNamespace(model=SimpleNamespace(model=None))
+        self.driven_sessions: list[int] = []
+
+    async def preprocess(self, prompt: Any, session: Session, gen_config: Any = None, adapter_name: str | None = None,
+                         **kwargs: Any) -> PreprocessedRequest:
+        input_ids = list(range(len(json.dumps(prompt))))
+        return PreprocessedRequest(session=session, inputs={'prompt': prompt, 'input_ids': input_ids},
+                                   input_token_len=len(input_ids), gen_config=gen_config, adapter_name=adapter_name)
+
+    async def generate(self, request: PreprocessedRequest, stream_response: bool = True) -> AsyncIterator[GenOut]:
+        request.consumed = True
+        self.driven_sessions.append(request.session.session_id)
+        gen_config = request.gen_config
+        yield GenOut(response='Hello',
+                     input_token_len=request.input_token_len,
+                     generate_token_len=1,
+                     finish_reason='length',
+                     token_ids=[FIRST_TOKEN_ID],
+                     cache_block_ids=list(CACHE_BLOCK_IDS) if gen_config.with_cache else None)
+
+
+@dataclass
+class PrefillServer:
+    client: httpx.AsyncClient
+    engine: FakePrefillEngine
+
+    async def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        response = await self.client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        return response
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return (await self.post(path, body)).json()
+
+    async def post_stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The JSON events of a server-sent-event answer, without the closing ``[DONE]``."""
+        text = (await self.post(path, {**body, 'stream': True})).text
+        events = [event.removeprefix('data: ') for event in text.split('\n\n') if event.startswith('data: ')]
+        assert events[-1] == '[DONE]', text
+        return [json.loads(event) for event in events[:-1]]
+
+    def only_driven_session(self) -> int:
+        assert len(self.engine.driven_sessions) == 1, self.engine.driven_sessions
+        return self.engine.driven_sessions[0]
+
+
+@pytest.fixture
+async def prefill_server(apply_patch: Callable[[str], ModuleType]) -> AsyncIterator[PrefillServer]:
+    """LMDeploy's OpenAI router, built as ``api_server.serve`` builds it, over a fake Prefill engine."""
+    api_server = apply_patch('serving_cache_owner')
+    engine = FakePrefillEngine()
+    context = api_server.ServerContext()
+    context.async_engine = engine
+    context.response_parser_cls = ResponseParserManager.get('default')
+    app = FastAPI()
+    app.include_router(api_server.create_openai_router(context))
+    app.add_exception_handler(RequestValidationError, api_server.validation_exception_handler)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url='http://prefill') as client:
+        yield PrefillServer(client=client, engine=engine)
+
+
+def completion_request(**extra: Any) -> dict[str, Any]:
+    return {'model': MODEL, 'prompt': 'The capital of France is', 'max_completion_tokens': 1, **extra}
+
+
+def chat_request(**extra: Any) -> dict[str, Any]:
+    return {'model': MODEL, 'messages': [{'role': 'user', 'content': 'Hi'}], 'max_completion_tokens': 1, **extra}
+
+
+WITH_CACHE = {'with_cache': True, 'preserve_cache': True}
+
+
+@pytest.mark.regression
+async def test_prefill_completion_names_the_session_that_owns_its_cache(prefill_server: PrefillServer) -> None:
+    body = await prefill_server.post_json('/v1/completions', completion_request(**WITH_CACHE))
+
+    owner = prefill_server.only_driven_session()
+    assert owner >= SESSIONS_SERVED_BEFORE
+    assert body[CACHE_OWNER_FIELD] == owner
+    assert body['cache_block_ids'] == CACHE_BLOCK_IDS
+    assert body['remote_token_ids'] == [FIRST_TOKEN_ID]
+    assert body['id'] == '-1', 'the public completion id is unchanged'
+
+
+@pytest.mark.regression
+async def test_prefill_completion_with_a_caller_session_id_names_the_internal_session_not_the_callers(
+        prefill_server: PrefillServer) -> None:
+    caller_session_id = 7
+    body = await prefill_server.post_json('/v1/completions',
+                                          completion_request(session_id=caller_session_id, **WITH_CACHE))
+
+    owner = prefill_server.only_driven_session()
+    assert owner != caller_session_id
+    assert body[CACHE_OWNER_FIELD] == owner
+    assert body['id'] == str(caller_session_id), 'the public completion id is still the caller session_id'
+
+
+@pytest.mark.regression
+async def test_prefill_chat_completion_names_the_session_that_owns_its_cache(prefill_server: PrefillServer) -> None:
+    body = await prefill_server.post_json('/v1/chat/completions', chat_request(**WITH_CACHE))
+
+    owner = prefill_server.only_driven_session()
+    assert body[CACHE_OWNER_FIELD] == owner
+    assert body['cache_block_ids'] == CACHE_BLOCK_IDS
+    assert body['remote_token_ids'] == [FIRST_TOKEN_ID]
+    assert body['id'].startswith('chatcmpl-'), 'the public chat id is unchanged'
+
+
+@pytest.mark.regression
+async def test_streamed_prefill_completion_names_the_owner_on_the_chunk_that_carries_the_cache(
+        prefill_server: PrefillServer) -> None:
+    events = await prefill_server.post_stream('/v1/completions', completion_request(**WITH_CACHE))
+
+    owner = prefill_server.only_driven_session()
+    cache_events = [event for event in events if 'cache_block_ids' in event]
+    assert len(cache_events) == 1, events
+    assert cache_events[0]['cache_block_ids'] == CACHE_BLOCK_IDS
+    assert cache_events[0][CACHE_OWNER_FIELD] == owner
+    assert all(event['id'] == '-1' for event in events)
+
+
+@pytest.mark.regression
+async def test_streamed_prefill_chat_completion_names_the_owner_on_the_chunk_that_carries_the_cache(
+        prefill_server: PrefillServer) -> None:
+    events = await prefill_server.post_stream('/v1/chat/completions', chat_request(**WITH_CACHE))
+
+    owner = prefill_server.only_driven_session()
+    cache_events = [event for event in events if 'cache_block_ids' in event]
+    assert len(cache_events) == 1, events
+    assert cache_events[0][CACHE_OWNER_FIELD] == owner
+    assert all(event['id'].startswith('chatcmpl-') for event in events)
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('path, make_request', [('/v1/completions', completion_request),
+                                                 ('/v1/chat/completions', chat_request)],
+                         ids=['completions', 'chat'])
+async def test_only_answers_that_retain_a_cache_name_an_owner(
+        prefill_server: PrefillServer, path: str, make_request: Callable[..., dict[str, Any]]) -> None:
+    plain = await prefill_server.post_json(path, make_request())
+    streamed = await prefill_server.post_stream(path, make_request())
+    retained = await prefill_server.post_json(path, make_request(**WITH_CACHE))
+
+    assert CACHE_OWNER_FIELD not in plain
+    assert all(CACHE_OWNER_FIELD not in event for event in streamed)
+    plain_session, streamed_session, retained_session = prefill_server.engine.driven_sessions
+    assert retained[CACHE_OWNER_FIELD] == retained_session
+    assert len({plain_session, streamed_session, retained_session}) == 3
