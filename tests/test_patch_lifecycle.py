@@ -1,0 +1,47 @@
+"""Every patch applies, is idempotent, reverts to exactly what LMDeploy had, and applies again."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from lmdeploy_pdfix._bootstrap import load_patch
+from lmdeploy_pdfix.patching import PatchState
+from lmdeploy_pdfix.registry import PATCHES, PatchSpec
+
+
+def snapshot(module) -> dict[str, object]:
+    """Every class attribute and route of the patched module, by identity."""
+    seen: dict[str, object] = {}
+    for name, value in vars(module).items():
+        seen[name] = value
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            seen.update({f'{name}.{attr}': item for attr, item in vars(value).items()})
+    app = getattr(module, 'app', None)
+    if app is not None:
+        seen['routes'] = list(app.router.routes)
+    return seen
+
+
+def changed(before: dict[str, object], after: dict[str, object]) -> set[str]:
+    return {name for name, value in after.items() if before.get(name) is not value and before.get(name) != value}
+
+
+@pytest.mark.parametrize('spec', PATCHES, ids=[spec.name for spec in PATCHES])
+def test_apply_revert_apply(spec: PatchSpec) -> None:
+    module = importlib.import_module(spec.target)
+    patch = load_patch(spec)
+    stock = snapshot(module)
+
+    assert patch.apply(module) is PatchState.APPLIED
+    patched = snapshot(module)
+    assert patched != stock
+    assert patch.apply(module) is PatchState.APPLIED and snapshot(module) == patched
+
+    assert patch.revert() is PatchState.REVERTED
+    assert snapshot(module) == stock
+
+    assert patch.apply(module) is PatchState.APPLIED
+    assert changed(stock, snapshot(module)) == changed(stock, patched)
+    patch.revert()
