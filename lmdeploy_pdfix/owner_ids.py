@@ -15,6 +15,9 @@ from typing import Any
 
 CACHE_OWNER_FIELD = 'cache_session_id'
 
+# A node that names cache owners says so here; the proxy asks before it routes DistServe traffic to it.
+CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
+
 FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
             'and upgrade the proxy and every Prefill node together.')
 

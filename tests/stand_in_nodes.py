@@ -21,6 +21,8 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
     DistServeInitResponse,
 )
 
+from lmdeploy_pdfix.owner_ids import CAPABILITIES_PATH
+
 MODEL = 'pdfix-stand-in'
 BLOCK_IDS = [3, 4]
 FIRST_TOKEN = 42
@@ -35,6 +37,7 @@ class PrefillBook:
     """What a Prefill node retains and what it was asked."""
 
     answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error
+    fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -79,6 +82,8 @@ def _add_handshake(app: FastAPI) -> None:
 def prefill_app(book: PrefillBook) -> FastAPI:
     app = FastAPI()
     _add_handshake(app)
+    if book.fixed:
+        app.get(CAPABILITIES_PATH)(lambda: {'cache_owner': True})
 
     @app.post('/distserve/free_cache')
     async def free_cache(request: Request):

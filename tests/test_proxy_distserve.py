@@ -192,3 +192,19 @@ async def test_requests_distserve_cannot_serve_get_a_400_before_any_prefill_work
     response = await distserve.post('/v1/completions', body)
     assert response.status_code == 400
     assert distserve.prefill.requests == []
+
+
+@pytest.mark.regression
+async def test_an_unfixed_prefill_node_is_refused_with_the_fix_before_any_work(distserve: Cluster) -> None:
+    unfixed = PrefillBook(fixed=False)
+    nodes = distserve.proxy.node_manager
+    with serving(prefill_app(unfixed)) as unfixed_url:
+        nodes.remove(distserve.p_url)
+        nodes.add(unfixed_url, distserve.proxy.Status(role=distserve.proxy.EngineRole.Prefill, models=[MODEL]))
+        try:
+            response = await distserve.post('/v1/chat/completions', CHAT)
+        finally:
+            nodes.remove(unfixed_url)
+    assert response.status_code == 503
+    assert 'LMDEPLOY_PDFIX=1' in response.json()['message']
+    assert unfixed.requests == [] and distserve.decode.migrations == []

@@ -25,7 +25,7 @@ from lmdeploy.serve.core.async_engine import GenOut, PreprocessedRequest
 from lmdeploy.serve.managers.session_manager import Session, SessionManager
 from lmdeploy.serve.parsers import ResponseParserManager
 
-from lmdeploy_pdfix.owner_ids import CACHE_OWNER_FIELD
+from lmdeploy_pdfix.owner_ids import CACHE_OWNER_FIELD, CAPABILITIES_PATH
 
 MODEL = 'pdfix-test-model'
 # The server has already handed out this many scheduler sessions, so internal ids never coincide with the
@@ -200,3 +200,9 @@ async def test_only_answers_that_retain_a_cache_name_an_owner(
     plain_session, streamed_session, retained_session = prefill_server.engine.driven_sessions
     assert retained[CACHE_OWNER_FIELD] == retained_session
     assert len({plain_session, streamed_session, retained_session}) == 3
+
+
+@pytest.mark.regression
+async def test_prefill_node_tells_a_proxy_that_it_names_cache_owners(prefill_server: PrefillServer) -> None:
+    response = await prefill_server.client.get(CAPABILITIES_PATH)
+    assert response.status_code == 200 and response.json()['cache_owner'] is True

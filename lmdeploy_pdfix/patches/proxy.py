@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -22,13 +23,23 @@ from typing import Any
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lmdeploy_pdfix.owner_ids import PrefillAnswer, PrefillAnswerError, parse_prefill_answer
+from lmdeploy_pdfix.owner_ids import (
+    CAPABILITIES_PATH,
+    FIX_HINT,
+    PrefillAnswer,
+    PrefillAnswerError,
+    parse_prefill_answer,
+)
 from lmdeploy_pdfix.patches._routes import find_post_route, restore_route, swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, lmdeploy_logger, signature_problem
 
 CHAT_PATH = '/v1/chat/completions'
 COMPLETIONS_PATH = '/v1/completions'
 RELEASE_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 5.0
+# How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
+# upgraded any moment, so it is asked again soon.
+PROBE_TTL_S = {True: 60.0, False: 5.0}
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
 
 
@@ -86,6 +97,42 @@ class _Relay:
         if self.owner is not None:
             self.nodes.pd_connection_pool.unshelf_prefill_session(self.conn_key, self.owner)
             self.owner = None
+
+
+class _CapabilityProbe:
+    """Whether a Prefill node names cache owners, asked once per node and remembered for a while."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[bool, float]] = {}
+
+    async def names_owners(self, url: str) -> bool | None:
+        """True or False as the node says; None when it cannot be asked (not remembered)."""
+        known = self._known.get(url)
+        if known is not None and time.monotonic() < known[1]:
+            return known[0]
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as session, \
+                    session.get(url + CAPABILITIES_PATH) as response:
+                body = await response.json(content_type=None) if response.status == HTTPStatus.OK else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        capable = isinstance(body, dict) and body.get('cache_owner') is True
+        self._known[url] = (capable, time.monotonic() + PROBE_TTL_S[capable])
+        return capable
+
+
+_probe = _CapabilityProbe()
+
+
+async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
+    capable = await _probe.names_owners(relay.p_url)
+    if capable is None:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable.')
+    if not capable:
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                           f'The Prefill node {relay.p_url} does not name the owner of the caches it keeps, so '
+                           f'DistServe requests through this proxy would leak its sessions. {FIX_HINT}')
+    return None
 
 
 def _node_url(nodes, model: str, role) -> str | None:
@@ -267,6 +314,9 @@ async def relay_distserve(proxy: ModuleType, path: str, request) -> Any:
     if not relay.p_url or not relay.d_url:
         missing = 'Prefill' if not relay.p_url else 'Decode'
         return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {request.model!r}.')
+    refused = await _refuse_unfixed_prefill(relay)
+    if refused is not None:
+        return refused
     answer = await _prefill(relay, request_dict)
     if isinstance(answer, JSONResponse):
         return answer

@@ -4,7 +4,8 @@ LMDeploy's chat and completions endpoints answer a ``with_cache`` request with t
 not with its owner: the public ``id`` is ``chatcmpl-…`` (chat) or the caller's ``session_id`` (completions),
 never the scheduler session the Decode node must free. This patch records the sessions an endpoint creates
 (``ServerContext.create_session``) and adds ``cache_session_id`` to the non-streaming body and to the stream
-chunk that carries ``cache_block_ids``. Public ids are unchanged.
+chunk that carries ``cache_block_ids``. Public ids are unchanged. The node also answers
+``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from lmdeploy_pdfix.owner_ids import single_owner, sse_chunk_with_owner, with_owner
+from lmdeploy_pdfix import __version__
+from lmdeploy_pdfix.owner_ids import CAPABILITIES_PATH, single_owner, sse_chunk_with_owner, with_owner
 from lmdeploy_pdfix.patches._routes import swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
 
@@ -26,6 +28,7 @@ ENDPOINT_MODULES = {
     'lmdeploy.serve.openai.chat_completions': '/v1/chat/completions',
     'lmdeploy.serve.openai.endpoints.completions': '/v1/completions',
 }
+DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 
 _created_sessions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     'lmdeploy_pdfix_created_sessions', default=None)
@@ -75,6 +78,17 @@ async def _stream_with_owner(chunks: AsyncIterator[Any], owner: int) -> AsyncIte
             await close()
 
 
+def _announcing_capabilities(original):
+    def register(router, server_context):
+        original(router, server_context)
+
+        @router.get(CAPABILITIES_PATH)
+        async def pdfix_capabilities():
+            return {'cache_owner': True, 'lmdeploy_pdfix': __version__}
+
+    return register
+
+
 def _registering_owner_routes(path: str):
     def make_register(original):
         def register(router, server_context):
@@ -95,17 +109,18 @@ class ServingCacheOwnerPatch(Patch):
         if context is None:
             return 'ServerContext is missing'
         registers = [signature_problem(importlib.import_module(name), 'register', ['router', 'server_context'])
-                     for name in ENDPOINT_MODULES]
+                     for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE)]
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']), *registers)
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
         for name, path in ENDPOINT_MODULES.items():
             install_wrapper(importlib.import_module(name), 'register', _registering_owner_routes(path))
+        install_wrapper(importlib.import_module(DISTSERVE_MODULE), 'register', _announcing_capabilities)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.ServerContext, 'create_session')
-        for name in ENDPOINT_MODULES:
+        for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
             remove_wrapper(importlib.import_module(name), 'register')
 
 
