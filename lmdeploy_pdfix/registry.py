@@ -37,10 +37,10 @@ PATCHES: tuple[PatchSpec, ...] = (
         summary='Proxy DistServe chat/completions migrate, shelve and release by cache_session_id only',
     ),
     PatchSpec(
-        name='proxy_shelf',
+        name='proxy_connections',
         module='lmdeploy_pdfix.patches.proxy_conn',
         target='lmdeploy.pytorch.disagg.conn.proxy_conn',
-        summary='Unshelving a Prefill session that is not on the shelf is a no-op instead of a KeyError',
+        summary='Unshelving an absent session is a no-op, not a KeyError; a connect cannot hang on a lost event',
     ),
     PatchSpec(
         name='prefill_chunking',

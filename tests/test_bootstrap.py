@@ -98,7 +98,7 @@ def test_a_patch_the_operator_opted_out_of_stays_stock(tmp_path: Path) -> None:
         import lmdeploy.pytorch.engine.inputs_maker as maker
         print(json.dumps({'others': getattr(maker.InputsMakerAsync.update_running_seqs, '__pdfix_wrapper__', False)}))
     """)
-    result = run_python(code, tmp_path, toggle='1', extra_env={'LMDEPLOY_PDFIX_DISABLE': 'proxy_shelf'})
+    result = run_python(code, tmp_path, toggle='1', extra_env={'LMDEPLOY_PDFIX_DISABLE': 'proxy_connections'})
     first, second = (json.loads(line) for line in result.stdout.strip().splitlines()[-2:])
     assert not first['wrapped'] and second['others']
 
@@ -115,7 +115,7 @@ def test_unsupported_lmdeploy_version_is_refused_once_and_lmdeploy_still_works(t
     """)
     result = run_python(code, tmp_path, toggle='1')
     assert result.stdout.strip().splitlines()[-1] == 'False'
-    refusals = [line for line in logged(result) if "patch 'proxy_shelf' not applied" in line]
+    refusals = [line for line in logged(result) if "patch 'proxy_connections' not applied" in line]
     assert len(refusals) == 1 and 'outside the supported range' in refusals[0]
 
 
@@ -130,7 +130,7 @@ def test_target_of_unexpected_shape_is_refused_with_the_reason(tmp_path: Path) -
     """)
     result = run_python(code, tmp_path)
     assert result.stdout.strip().splitlines()[-1] == 'True'
-    refusal, = (line for line in logged(result) if "patch 'proxy_shelf' not applied" in line)
+    refusal, = (line for line in logged(result) if "patch 'proxy_connections' not applied" in line)
     assert "takes ['self', 'key', 'session_id', 'extra']" in refusal
 
 

@@ -69,7 +69,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def distserve(cluster: Cluster, apply_patch) -> Cluster:
     apply_patch('proxy_distserve')
-    apply_patch('proxy_shelf')
+    apply_patch('proxy_connections')
     cluster.reset()
     cluster.register('Prefill')
     cluster.register('Decode')

@@ -1,13 +1,19 @@
-"""Unshelving a Prefill session that is not on the shelf is a no-op (defect D12).
+"""The proxy's Prefill/Decode connection pool: a safe shelf (D12) and a connect that cannot hang (D16).
 
 ``PDConnectionPool.unshelf_prefill_session`` does ``set.remove``; when two requests shared a shelf key, or a
 key was never shelved, the second removal raises ``KeyError`` after the Decode already answered, turning a
 finished request into HTTP 500.
+
+``PDConnectionPool.connect`` waits for an event that nobody sets when the link turns Connected between its
+``is_connected()`` check and the connection worker taking the request: that request hangs forever. The
+wrapper also watches the link itself, and gives up after ``LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 from types import ModuleType
 
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
@@ -21,8 +27,31 @@ def _tolerating_absent_session(original):
     return unshelf_prefill_session
 
 
-class ProxyShelfPatch(Patch):
-    name = 'proxy_shelf'
+CONNECT_POLL_S = 0.05
+CONNECT_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S', '300'))
+
+
+def _watching_the_link(original):
+    async def connect(self, conn_req):
+        attempt = asyncio.ensure_future(original(self, conn_req))
+        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
+        try:
+            while not attempt.done():
+                await asyncio.wait({attempt}, timeout=CONNECT_POLL_S)
+                if not attempt.done() and self.is_connected(conn_req.p_url, conn_req.d_url):
+                    return None  # connected, though nobody told this attempt
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f'PD connection {conn_req.p_url} -> {conn_req.d_url} not up after '
+                                       f'{CONNECT_TIMEOUT_S:.0f} s')
+            return attempt.result()
+        finally:
+            attempt.cancel()
+
+    return connect
+
+
+class ProxyConnectionsPatch(Patch):
+    name = 'proxy_connections'
     target = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
 
     def shape_problem(self, module: ModuleType) -> str | None:
@@ -32,13 +61,17 @@ class ProxyShelfPatch(Patch):
         return first_problem(
             signature_problem(pool, 'shelf_prefill_session', ['self', 'conn_key', 'session_id']),
             signature_problem(pool, 'unshelf_prefill_session', ['self', 'conn_key', 'session_id']),
+            signature_problem(pool, 'connect', ['self', 'conn_req']),
+            signature_problem(pool, 'is_connected', ['self', 'p_url', 'd_url']),
         )
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.PDConnectionPool, 'unshelf_prefill_session', _tolerating_absent_session)
+        install_wrapper(module.PDConnectionPool, 'connect', _watching_the_link)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.PDConnectionPool, 'unshelf_prefill_session')
+        remove_wrapper(module.PDConnectionPool, 'connect')
 
 
-PATCH = ProxyShelfPatch()
+PATCH = ProxyConnectionsPatch()
