@@ -38,6 +38,7 @@ class PrefillBook:
 
     answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error
     fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
+    free_status: int = 200  # what /distserve/free_cache answers
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -87,6 +88,8 @@ def prefill_app(book: PrefillBook) -> FastAPI:
 
     @app.post('/distserve/free_cache')
     async def free_cache(request: Request):
+        if book.free_status != 200:
+            return JSONResponse({'status': 'FAILED'}, status_code=book.free_status)
         book.free((await request.json())['remote_session_id'])
         return {'status': 'SUCCESS'}
 

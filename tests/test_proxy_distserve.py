@@ -208,3 +208,41 @@ async def test_an_unfixed_prefill_node_is_refused_with_the_fix_before_any_work(d
     assert response.status_code == 503
     assert 'LMDEPLOY_PDFIX=1' in response.json()['message']
     assert unfixed.requests == [] and distserve.decode.migrations == []
+
+
+async def audit(cluster: Cluster) -> dict:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(cluster.url + '/distserve/pdfix/audit')
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.regression
+async def test_audit_shows_balanced_books_after_successes_and_failures(distserve: Cluster) -> None:
+    before = await audit(distserve)
+    await distserve.post('/v1/completions', COMPLETION)
+    distserve.decode.answer = 'error'
+    await distserve.post('/v1/completions', COMPLETION)
+    after = await audit(distserve)
+    assert after['open'] == 0
+    released = {cause: after['releases'].get(cause, 0) - before['releases'].get(cause, 0)
+                for cause in ('migrated', 'compensated')}
+    assert released == {'migrated': 1, 'compensated': 1}
+
+
+@pytest.mark.regression
+async def test_gc_releases_what_a_failed_compensation_left_behind(distserve: Cluster) -> None:
+    distserve.decode.answer = 'error'
+    distserve.prefill.free_status = 503
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    assert response.status_code == 500
+    assert len(distserve.prefill.retained) == 1
+    assert (await audit(distserve))['open_by_state'] == {'release_failed': 1}
+
+    distserve.prefill.free_status = 200
+    async with httpx.AsyncClient(timeout=30) as client:
+        gc = await client.post(distserve.url + '/distserve/gc', json={})
+    assert gc.status_code == 200, gc.text
+    assert len(gc.json()['released']) == 1
+    assert distserve.prefill.retained == set()
+    assert (await audit(distserve))['open'] == 0

@@ -11,8 +11,10 @@ as it is. Hybrid mode and ``--dummy-prefill`` keep LMDeploy's own handlers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import Any
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.owner_ids import (
     CAPABILITIES_PATH,
     FIX_HINT,
@@ -43,60 +46,76 @@ PROBE_TTL_S = {True: 60.0, False: 5.0}
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
 
 
+async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
+    """Ask the Prefill node to end the session holding ``owner``'s cache; True once it answered 200."""
+    from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
+
+    free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
+                session.post(f'{p_url}/distserve/free_cache', json=free.model_dump(mode='json')) as response:
+            await response.read()
+            if response.status == HTTPStatus.OK:
+                return True
+            problem = f'HTTP {response.status}'
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        problem = repr(exc)
+    lmdeploy_logger().warning(f'lmdeploy-pdfix: releasing Prefill session {owner} on {p_url} ({reason}) '
+                              f'failed: {problem}')
+    return False
+
+
+async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause, reason: str) -> bool:
+    """Free ``record``'s Prefill session and close it; a failed free stays on the books for gc."""
+    if await free_prefill_session(record.p_url, record.owner, reason):
+        return ledger.close(record, cause)
+    record.state = RecordState.RELEASE_FAILED
+    return False
+
+
 @dataclass
 class _Relay:
     """One DistServe request on its way through a Prefill node and a Decode node."""
 
     proxy: ModuleType
     path: str
+    ledger: OwnerLedger
     p_url: str = ''
     d_url: str = ''
-    owner: int | None = None
+    record: OwnerRecord | None = None
 
     @property
     def nodes(self):
         return self.proxy.node_manager
-
-    @property
-    def conn_key(self) -> tuple[str, str]:
-        return (self.p_url, self.d_url)
 
     def error(self, status: HTTPStatus | int, message: str) -> JSONResponse:
         return self.proxy.create_error_response(status, message)
 
     async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
         """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
-        node = url
-        start = self.nodes.pre_call(node)
+        start = self.nodes.pre_call(url)
         try:
             async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
                     session.post(url + self.path, json=payload) as response:
                 return response.status, await response.text()
         finally:
-            self.nodes.post_call(node, start)
+            self.nodes.post_call(url, start)
+
+    def hold(self, owner: int) -> None:
+        """Open the books on the cache the Prefill node retained for this request."""
+        self.record = self.ledger.open(owner, self.p_url, self.d_url)
 
     async def release(self, reason: str) -> None:
-        """Free the retained Prefill cache (``/distserve/free_cache``) and take it off the shelf."""
-        if self.owner is None:
-            return
-        owner, self.owner = self.owner, None
-        self.nodes.pd_connection_pool.unshelf_prefill_session(self.conn_key, owner)
-        from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
-
-        free = DistServeCacheFreeRequest(remote_engine_id=self.p_url, remote_session_id=owner)
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
-                    session.post(f'{self.p_url}/distserve/free_cache', json=free.model_dump(mode='json')) as response:
-                await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            lmdeploy_logger().warning(f'lmdeploy-pdfix: releasing Prefill session {owner} on {self.p_url} '
-                                      f'({reason}) failed: {exc!r}')
+        """Compensate: free the retained Prefill cache, if this request holds one."""
+        record, self.record = self.record, None
+        if record is not None:
+            await release(self.ledger, record, ReleaseCause.COMPENSATED, reason)
 
     def migrated(self) -> None:
         """The Decode node took the cache over (it frees the Prefill session itself)."""
-        if self.owner is not None:
-            self.nodes.pd_connection_pool.unshelf_prefill_session(self.conn_key, self.owner)
-            self.owner = None
+        record, self.record = self.record, None
+        if record is not None:
+            self.ledger.close(record, ReleaseCause.MIGRATED)
 
 
 class _CapabilityProbe:
@@ -189,17 +208,29 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer
     except aiohttp.ClientError as exc:
         return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable: {exc}')
     if status != HTTPStatus.OK:
-        relay.owner = _owner_if_any(text)
-        await relay.release('Prefill error')
+        await _release_unusable(relay, _owner_if_any(text), 'Prefill error')
         return relay.error(status, f'Prefill node {relay.p_url}: {_error_message(status, text)}')
     try:
         answer = parse_prefill_answer(json.loads(text))
     except (ValueError, PrefillAnswerError) as exc:
-        relay.owner = getattr(exc, 'owner', None)
-        await relay.release('invalid Prefill answer')
+        relay.ledger.reject(type(exc).__name__)
+        await _release_unusable(relay, getattr(exc, 'owner', None), 'invalid Prefill answer')
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Prefill node {relay.p_url}: {exc}')
-    relay.owner = answer.owner
+    try:
+        relay.hold(answer.owner)
+    except DuplicateOwnerError as exc:
+        relay.ledger.reject(type(exc).__name__)  # never free it: the open record's request owns that cache
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'{exc}; the Prefill node may have restarted.')
     return answer
+
+
+async def _release_unusable(relay: _Relay, owner: int | None, reason: str) -> None:
+    """A Prefill answer that named an owner but cannot be migrated from: free it through the books."""
+    if owner is None:
+        return
+    with contextlib.suppress(DuplicateOwnerError):
+        relay.hold(owner)
+        await relay.release(reason)
 
 
 async def _connect(relay: _Relay) -> str | None:
@@ -301,9 +332,9 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
     return stream
 
 
-async def relay_distserve(proxy: ModuleType, path: str, request) -> Any:
+async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request) -> Any:
     """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
-    relay = _Relay(proxy=proxy, path=path)
+    relay = _Relay(proxy=proxy, path=path, ledger=ledger)
     request_dict = request.model_dump()
     problem = _unsupported(request_dict)
     if problem is not None:
@@ -324,14 +355,14 @@ async def relay_distserve(proxy: ModuleType, path: str, request) -> Any:
     if problem is not None:
         await relay.release('connection failed')
         return relay.error(HTTPStatus.BAD_GATEWAY, problem)
-    relay.nodes.pd_connection_pool.shelf_prefill_session(relay.conn_key, answer.owner)
+    relay.record.state = RecordState.MIGRATING
     decode_request = _decode_request(relay, request_dict, answer)
     if request.stream:
         return await _decode_stream(relay, decode_request)
     return await _decode(relay, decode_request)
 
 
-def _relaying_distserve(proxy: ModuleType, path: str):
+def _relaying_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger):
     def make_endpoint(original):
         async def endpoint(request, raw_request=None):
             nodes = proxy.node_manager
@@ -340,11 +371,40 @@ def _relaying_distserve(proxy: ModuleType, path: str):
             rejected = await nodes.check_request_model(request.model)
             if rejected is not None:
                 return rejected
-            return await relay_distserve(proxy, path, request)
+            return await relay_distserve(proxy, path, ledger, request)
 
         return endpoint
 
     return make_endpoint
+
+
+GC_PATH = '/distserve/gc'
+AUDIT_PATH = '/distserve/pdfix/audit'
+# Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
+GC_AGE_S = float(os.environ.get('LMDEPLOY_PDFIX_GC_AGE_S', '600'))
+
+
+def _collecting_garbage(proxy: ModuleType, ledger: OwnerLedger):
+    def make_endpoint(original):
+        async def cache_block_gc_to_be_migrated():
+            live = set(proxy.node_manager.nodes)
+            released, kept = [], []
+            for record in ledger.collectable(older_than_s=GC_AGE_S, live_urls=live, now=time.monotonic()):
+                done = await release(ledger, record, ReleaseCause.GC, 'gc')
+                (released if done else kept).append({'owner': record.owner, 'prefill': record.p_url})
+            return {'released': released, 'release_failed': kept, 'audit': ledger.audit(time.monotonic())}
+
+        return cache_block_gc_to_be_migrated
+
+    return make_endpoint
+
+
+def _shelf_mirror(proxy: ModuleType, action: str):
+    """LMDeploy's shelf follows the ledger: shelved on open, unshelved on close."""
+    def mirror(record: OwnerRecord) -> None:
+        getattr(proxy.node_manager.pd_connection_pool, action)((record.p_url, record.d_url), record.owner)
+
+    return mirror
 
 
 class ProxyDistServePatch(Patch):
@@ -354,6 +414,7 @@ class ProxyDistServePatch(Patch):
     def __init__(self) -> None:
         super().__init__()
         self._originals: list[Any] = []
+        self.ledger = OwnerLedger()
 
     def shape_problem(self, module: ModuleType) -> str | None:
         missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
@@ -361,9 +422,10 @@ class ProxyDistServePatch(Patch):
                    if not hasattr(module, name)]
         if missing:
             return f'missing {", ".join(missing)}'
-        routes = [path for path in (CHAT_PATH, COMPLETIONS_PATH) if find_post_route(module.app.router.routes, path)]
-        if len(routes) != 2:
-            return f'the proxy app does not serve POST {CHAT_PATH} and {COMPLETIONS_PATH}'
+        routes = [path for path in (CHAT_PATH, COMPLETIONS_PATH, GC_PATH)
+                  if find_post_route(module.app.router.routes, path)]
+        if len(routes) != 3:
+            return f'the proxy app does not serve POST {CHAT_PATH}, {COMPLETIONS_PATH} and {GC_PATH}'
         fields = set(module.MigrationRequest.model_fields)
         if not fields >= MIGRATION_FIELDS:
             return f'MigrationRequest lacks {sorted(MIGRATION_FIELDS - fields)}'
@@ -379,13 +441,23 @@ class ProxyDistServePatch(Patch):
         )
 
     def _apply(self, module: ModuleType) -> None:
+        self.ledger = OwnerLedger(on_open=_shelf_mirror(module, 'shelf_prefill_session'),
+                                  on_close=_shelf_mirror(module, 'unshelf_prefill_session'))
         routes = module.app.router.routes
         for path in (CHAT_PATH, COMPLETIONS_PATH):
-            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path)))
+            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self.ledger)))
+        self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, self.ledger)))
+        module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
+
+    def audit(self) -> dict[str, Any]:
+        """The proxy's books: open records by state, oldest age, releases by cause, owner rejections."""
+        return self.ledger.audit(time.monotonic())
 
     def _revert(self, module: ModuleType) -> None:
+        routes = module.app.router.routes
         while self._originals:
-            restore_route(module.app.router.routes, self._originals.pop())
+            restore_route(routes, self._originals.pop())
+        routes[:] = [route for route in routes if getattr(route, 'path', None) != AUDIT_PATH]
 
 
 PATCH = ProxyDistServePatch()

@@ -1,0 +1,104 @@
+"""The proxy's books of retained Prefill caches: one record per owner, from the Prefill answer until release.
+
+Every exit of a DistServe request closes its record with a cause, so the books always say what is still
+held, where and for how long. No patching here: the proxy patch drives it and mirrors it onto LMDeploy's
+shelf through the ``on_open``/``on_close`` callbacks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RecordState(str, enum.Enum):
+    PREFILLED = 'prefilled'  # the Prefill node holds the cache; no Decode has it yet
+    MIGRATING = 'migrating'  # a Decode node was asked to take it over
+    RELEASE_FAILED = 'release_failed'  # a compensating free did not get through; gc retries it
+
+
+class ReleaseCause(str, enum.Enum):
+    MIGRATED = 'migrated'  # the Decode node copied it and freed the Prefill session itself
+    COMPENSATED = 'compensated'  # the proxy freed it after a failure
+    GC = 'gc'  # released by /distserve/gc
+
+
+@dataclass
+class OwnerRecord:
+    owner: int
+    p_url: str
+    d_url: str
+    state: RecordState = RecordState.PREFILLED
+    opened_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.p_url, self.owner)
+
+    def age(self, now: float) -> float:
+        return now - self.opened_at
+
+
+class DuplicateOwnerError(ValueError):
+    """A Prefill node named an owner that is still open: two requests would share one cache."""
+
+
+ShelfCallback = Callable[[OwnerRecord], None]
+
+
+def _ignore(record: OwnerRecord) -> None:
+    return None
+
+
+class OwnerLedger:
+
+    def __init__(self, on_open: ShelfCallback = _ignore, on_close: ShelfCallback = _ignore) -> None:
+        self._open: dict[tuple[str, int], OwnerRecord] = {}
+        self._on_open = on_open
+        self._on_close = on_close
+        self.releases: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()
+
+    def open(self, owner: int, p_url: str, d_url: str) -> OwnerRecord:
+        record = OwnerRecord(owner=owner, p_url=p_url, d_url=d_url)
+        if record.key in self._open:
+            raise DuplicateOwnerError(f'Prefill node {p_url} named owner {owner}, which is still open')
+        self._open[record.key] = record
+        self._on_open(record)
+        return record
+
+    def close(self, record: OwnerRecord, cause: ReleaseCause) -> bool:
+        """Close ``record``; False if it was already closed (every exit may call this, only one counts)."""
+        if self._open.get(record.key) is not record:
+            return False
+        del self._open[record.key]
+        self.releases[cause.value] += 1
+        self._on_close(record)
+        return True
+
+    def reject(self, reason: str) -> None:
+        """Count a Prefill answer whose owner could not be used."""
+        self.rejections[reason] += 1
+
+    def records(self) -> list[OwnerRecord]:
+        return list(self._open.values())
+
+    def collectable(self, *, older_than_s: float, live_urls: set[str], now: float) -> list[OwnerRecord]:
+        """Records gc may release: stale, whose node is gone, or whose release failed before."""
+        return [record for record in self._open.values()
+                if record.age(now) > older_than_s or record.state is RecordState.RELEASE_FAILED
+                or not {record.p_url, record.d_url} <= live_urls]
+
+    def audit(self, now: float) -> dict[str, Any]:
+        records = self._open.values()
+        return {
+            'open': len(records),
+            'open_by_state': dict(Counter(record.state.value for record in records)),
+            'oldest_age_s': round(max((record.age(now) for record in records), default=0.0), 3),
+            'releases': dict(self.releases),
+            'owner_rejections': dict(self.rejections),
+        }
