@@ -1,0 +1,92 @@
+"""Bounded OpenAI-style requests against any proxy, checked against the emulated model's exact answer.
+
+Standard library only, so soak runs and tests need nothing beyond the package.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from lmdeploy_pdfix.sim import model
+from lmdeploy_pdfix.sim.cluster import MODEL_NAME
+
+KINDS = ('completions', 'chat', 'stream')
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@dataclass
+class Result:
+    kind: str
+    status: int  # HTTP status; 0 when no answer came back in time
+    text: str
+    expected: str
+    latency_s: float
+    error: str = ''
+
+    @property
+    def ok(self) -> bool:
+        """HTTP 200 and exactly the text the emulated model must produce (a 200 with wrong text fails)."""
+        return self.status == 200 and self.text == self.expected and not self.error
+
+
+def _payload(kind: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
+    body: dict = {'model': MODEL_NAME, 'max_tokens': max_tokens}
+    if kind == 'completions':
+        return '/v1/completions', {**body, 'prompt': prompt}
+    messages = [{'role': 'user', 'content': prompt}]
+    return '/v1/chat/completions', {**body, 'messages': messages, 'stream': kind == 'stream'}
+
+
+def _text_of(kind: str, raw: bytes) -> tuple[str, str]:
+    """(text, error) from a response body; streams are SSE lines of chat deltas."""
+    if kind != 'stream':
+        data = json.loads(raw)
+        if not isinstance(data, dict) or 'choices' not in data:
+            return '', f'no choices in {raw[:200]!r}'
+        choice = data['choices'][0]
+        return (choice['text'] if kind == 'completions' else choice['message']['content'] or ''), ''
+    parts = []
+    for line in raw.decode(errors='replace').splitlines():
+        if not line.startswith('data:') or line.strip() == 'data: [DONE]':
+            continue
+        chunk = json.loads(line[len('data:'):])
+        if 'choices' not in chunk:
+            return ''.join(parts), f'stream error chunk {chunk}'
+        for choice in chunk['choices']:
+            parts.append((choice.get('delta') or {}).get('content') or '')
+    return ''.join(parts), ''
+
+
+def request(proxy_url: str, kind: str, prompt: str, max_tokens: int = 8, timeout_s: float = 30.0) -> Result:
+    """One request of ``kind`` (completions, chat or stream), never raising and never outliving ``timeout_s``."""
+    path, body = _payload(kind, prompt, max_tokens)
+    expected = model.expected_text_for(prompt, max_tokens)
+    req = urllib.request.Request(f'{proxy_url}{path}', data=json.dumps(body).encode(), method='POST',
+                                 headers={'Content-Type': 'application/json'})
+    began = time.monotonic()
+    try:
+        with _OPENER.open(req, timeout=timeout_s) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        return Result(kind, exc.code, '', expected, time.monotonic() - began, exc.read()[:300].decode(errors='replace'))
+    except (OSError, ValueError) as exc:  # timeouts and refused connections: no answer
+        return Result(kind, 0, '', expected, time.monotonic() - began, repr(exc))
+    try:
+        text, error = _text_of(kind, raw)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        text, error = '', f'unparsable answer {raw[:200]!r}: {exc!r}'
+    return Result(kind, status, text, expected, time.monotonic() - began, error)
+
+
+def prompt_for(index: int, length: int = 0) -> str:
+    """Distinct prompts, so a mixed-up owner (another request's KV) shows up as a wrong text."""
+    base = f'request {index}: tell me about owner {index * 7919 % 10007}.'
+    if length <= len(base):
+        return base
+    filler = ' lorem ipsum dolor sit amet'
+    return (base + filler * (length // len(filler) + 1))[:length]

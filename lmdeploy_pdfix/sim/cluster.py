@@ -1,0 +1,269 @@
+"""Start and stop a GPU-free DistServe cluster: the real ``lmdeploy serve proxy`` and ``api_server`` processes.
+
+Every process runs on 127.0.0.1 in its own process group, with ``LMDEPLOY_PDFIX_SIM=1`` so the start-up hook
+substitutes the hardware-bound pieces. ``Cluster.stop`` ends exactly the process groups it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmdeploy_pdfix.sim import model
+
+HOST = '127.0.0.1'
+MODEL_NAME = 'pdfix-sim'
+STATE_ROUTE = '/distserve/pdfix/sim/state'
+_TERM_GRACE_S = 10.0
+
+
+@dataclass
+class ClusterConfig:
+    prefill: int = 1
+    decode: int = 1
+    stock: bool = False  # LMDEPLOY_PDFIX unset: LMDeploy as released, only the model emulated
+    max_prefill_token_num: int | None = None
+    num_blocks: int = 512
+    max_batch_size: int = 64  # explicit: LMDeploy's default asks the CUDA device name
+    log_dir: Path = Path('.sim/logs')
+    model_dir: Path = Path('.sim/model')
+    drop_kv_on_decode: bool = False  # negative control: Decode nodes skip the Mooncake read
+    python: str = sys.executable
+    startup_timeout_s: float = 240.0
+    warmup: bool = True  # connect every P/D pair up front, so the first requests do not race the link-up
+
+
+@dataclass
+class Process:
+    name: str
+    role: str  # Proxy, Prefill or Decode
+    url: str
+    pid: int
+    log: str
+    state_file: str | None = None
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    processes: list[Process] = field(default_factory=list)
+    startup_s: float | None = None
+
+    @property
+    def proxy_url(self) -> str:
+        return self._urls('Proxy')[0]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return self._urls('Prefill')
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return self._urls('Decode')
+
+    def _urls(self, role: str) -> list[str]:
+        return [proc.url for proc in self.processes if proc.role == role]
+
+    def start(self) -> Cluster:
+        """Start proxy and nodes, wait until all are healthy and registered; stops everything on failure."""
+        began = time.monotonic()
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - began
+        return self
+
+    def _start_all(self) -> None:
+        cfg = self.config
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        model.ensure_model_dir(cfg.model_dir)
+        proxy = self._spawn('proxy', 'Proxy', self._proxy_args)
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        wait_http_ok(f'{proxy.url}/nodes/status', deadline, proxy.pid)
+        nodes = [self._spawn(f'prefill{i}', 'Prefill', self._node_args) for i in range(cfg.prefill)]
+        nodes += [self._spawn(f'decode{i}', 'Decode', self._node_args) for i in range(cfg.decode)]
+        for node in nodes:
+            wait_http_ok(f'{node.url}/health', deadline, node.pid)
+        self._wait_registered(deadline)
+        if cfg.warmup:
+            http_json('POST', f'{proxy.url}/distserve/connection_warmup', {}, timeout=60)
+
+    def _proxy_args(self, port: int) -> list[str]:
+        return ['serve', 'proxy', '--server-name', HOST, '--server-port', str(port), '--serving-strategy',
+                'DistServe', '--disable-cache-status', '--log-level', 'INFO']
+
+    def _node_args(self, port: int, role: str) -> list[str]:
+        args = ['serve', 'api_server', str(self.config.model_dir.resolve()), '--backend', 'pytorch',
+                '--server-name', HOST, '--server-port', str(port), '--model-name', MODEL_NAME, '--role', role,
+                '--migration-backend', 'Mooncake', '--proxy-url', self.proxy_url, '--log-level', 'INFO',
+                '--max-batch-size', str(self.config.max_batch_size)]
+        if self.config.max_prefill_token_num is not None:
+            args += ['--max-prefill-token-num', str(self.config.max_prefill_token_num)]
+        return args
+
+    def _spawn(self, name: str, role: str, make_args) -> Process:
+        port = free_port()
+        args = make_args(port) if role == 'Proxy' else make_args(port, role)
+        log = self.config.log_dir / f'{name}.log'
+        state_file = None if role == 'Proxy' else str((self.config.log_dir / f'{name}.state.json').resolve())
+        env = self._env(role, state_file)
+        with open(log, 'wb') as out:
+            # Own session = own process group, so stop() reaches the spawned engine child too.
+            popen = subprocess.Popen([self.config.python, '-m', 'lmdeploy', *args], stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
+        proc = Process(name, role, f'http://{HOST}:{port}', popen.pid, str(log), state_file)
+        self.processes.append(proc)
+        return proc
+
+    def _env(self, role: str, state_file: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            'LMDEPLOY_PDFIX_SIM': '1',
+            'LMDEPLOY_ENABLE_CHECK_ENV': '0',
+            'LMDEPLOY_SKIP_WARMUP': '1',
+            'LMDEPLOY_PDFIX_SIM_NUM_BLOCKS': str(self.config.num_blocks),
+            'NO_PROXY': f'{HOST},localhost',
+            'no_proxy': f'{HOST},localhost',
+        })
+        for var in ('LMDEPLOY_PDFIX', 'LMDEPLOY_PDFIX_SIM_STATE', 'LMDEPLOY_PDFIX_SIM_DROP_KV'):
+            env.pop(var, None)
+        if not self.config.stock:
+            env['LMDEPLOY_PDFIX'] = '1'
+        if state_file:
+            env['LMDEPLOY_PDFIX_SIM_STATE'] = state_file
+        if role == 'Decode' and self.config.drop_kv_on_decode:
+            env['LMDEPLOY_PDFIX_SIM_DROP_KV'] = '1'
+        return env
+
+    def _wait_registered(self, deadline: float) -> None:
+        expected = {proc.url for proc in self.processes if proc.role != 'Proxy'}
+        while True:
+            status = http_json('GET', f'{self.proxy_url}/nodes/status', timeout=5) or {}
+            if expected <= set(status):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'nodes not registered with the proxy: {sorted(expected - set(status))}')
+            time.sleep(0.5)
+
+    def node_state(self, url: str) -> dict[str, Any]:
+        return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5)
+
+    def settled_state(self, url: str, timeout_s: float = 20.0, quiet_s: float = 1.0) -> dict[str, Any]:
+        """The node's state once sessions and free blocks stopped changing for ``quiet_s`` (frees are async)."""
+        deadline = time.monotonic() + timeout_s
+        last, since = None, time.monotonic()
+        while True:
+            state = self.node_state(url)
+            key = (state.get('sessions'), state.get('free_blocks'))
+            if key != last:
+                last, since = key, time.monotonic()
+            elif time.monotonic() - since >= quiet_s or time.monotonic() > deadline:
+                return state
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_processes(self.processes)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def to_json(self) -> dict[str, Any]:
+        cfg = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(self.config).items()}
+        return {'config': cfg, 'processes': [asdict(proc) for proc in self.processes], 'startup_s': self.startup_s}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Cluster:
+        cfg = dict(data['config'])
+        cfg['log_dir'], cfg['model_dir'] = Path(cfg['log_dir']), Path(cfg['model_dir'])
+        return cls(ClusterConfig(**cfg), [Process(**proc) for proc in data['processes']], data.get('startup_s'))
+
+
+def prefill_forwards(state: dict[str, Any]) -> int:
+    """Forwards over prompt tokens (whole prompts and long-context chunks) in a node state."""
+    counters = state.get('counters', {})
+    return counters.get('forwards_prefill', 0) + counters.get('forwards_chunk', 0)
+
+
+def free_port() -> int:
+    """A free loopback port chosen by the kernel."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
+    """A small JSON request with the standard library (no proxies: everything is on loopback)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={'Content-Type': 'application/json'})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=timeout) as response:
+        return json.loads(response.read() or b'null')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours still answers kill(0): reap it if it is ours.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    return True
+
+
+def wait_http_ok(url: str, deadline: float, pid: int) -> None:
+    while True:
+        if not _alive(pid):
+            raise RuntimeError(f'process {pid} exited before {url} answered')
+        with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+            http_json('GET', url, timeout=2)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f'{url} not healthy in time')
+        time.sleep(0.5)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_processes(processes: list[Process]) -> None:
+    """SIGTERM each started process group, SIGKILL what outlives the grace period."""
+    groups = [proc.pid for proc in processes]  # start_new_session: pgid == pid of the started process
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for pgid in groups:
+        while time.monotonic() < deadline and (_alive(pgid) or _group_alive(pgid)):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pgid, os.WNOHANG)

@@ -1,0 +1,35 @@
+"""Owners across several nodes, and a negative control proving the text check sees a skipped KV transfer."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from lmdeploy_pdfix.sim import client
+
+pytestmark = pytest.mark.e2e
+
+
+def test_owners_never_mix_across_two_prefill_two_decode(start_cluster) -> None:
+    with start_cluster('patched-2p2d', stock=False, prefill=2, decode=2) as cluster:
+        def one(i: int) -> client.Result:
+            return client.request(cluster.proxy_url, client.KINDS[i % 3], client.prompt_for(2000 + i), timeout_s=60)
+
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(48)))
+        served = [cluster.node_state(url)['counters'].get('tokens', 0) for url in cluster.prefill_urls]
+    assert [r for r in results if not r.ok] == []
+    assert all(served), f'a Prefill node served nothing: {served}'
+
+
+def test_text_check_catches_a_skipped_kv_transfer(start_cluster) -> None:
+    # Stock and sequential completions: the one path that answers 200 without the patches.
+    with start_cluster('drop-kv', stock=True, drop_kv_on_decode=True) as cluster:
+        results = [client.request(cluster.proxy_url, 'completions', client.prompt_for(i), timeout_s=30)
+                   for i in range(5)]
+        decode = cluster.settled_state(cluster.decode_urls[0])
+    assert all(r.status == 200 for r in results), results
+    assert not any(r.text == r.expected for r in results), results
+    assert decode['counters'].get('migrations_dropped', 0) >= 5
+    assert decode['counters'].get('kv_unwritten', 0) > 0
