@@ -6,6 +6,7 @@ VENVS := .venv
 PYTEST_ARGS ?=
 
 .PHONY: env test unit demo bench lint clean system-deps
+.PRECIOUS: $(VENVS)/lmdeploy-%/.requirements  # a venv is built once, not deleted as an intermediate
 
 system-deps:  ## Debian's libibverbs1: Mooncake's transfer engine links it even for TCP
 	@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
@@ -18,10 +19,11 @@ $(VENVS)/lmdeploy-%/.requirements: requirements/cpu-serving.txt requirements/dev
 	$(VENVS)/lmdeploy-$*/bin/pip install -q --no-deps lmdeploy==$*
 	touch $@
 
-env: system-deps $(foreach v,$(LMDEPLOY_VERSIONS),$(VENVS)/lmdeploy-$(v)/.requirements)  ## all venvs, with this package installed as a wheel
-	@for v in $(LMDEPLOY_VERSIONS); do \
-		$(VENVS)/lmdeploy-$$v/bin/pip install -q --no-deps --force-reinstall . || exit 1; done
+install-%: system-deps $(VENVS)/lmdeploy-%/.requirements  ## this package, as a wheel, into one venv
+	$(VENVS)/lmdeploy-$*/bin/pip install -q --no-deps --force-reinstall .
 	@rm -rf build *.egg-info  # setuptools builds in the tree; stale metadata here would shadow the wheel's
+
+env: $(foreach v,$(LMDEPLOY_VERSIONS),install-$(v))  ## every venv, with this package installed
 
 test: env  ## the whole suite against every supported LMDeploy release, then proof that regressions fail on stock
 	@for v in $(LMDEPLOY_VERSIONS); do \
@@ -33,15 +35,14 @@ test: env  ## the whole suite against every supported LMDeploy release, then pro
 unit: env  ## everything but the cluster end-to-end suite
 	@$(MAKE) --no-print-directory test PYTEST_ARGS="-m 'not e2e' $(PYTEST_ARGS)"
 
-demo: LMDEPLOY_VERSIONS = $(DEMO_LMDEPLOY)
-demo: env  ## 1 Prefill + 1 Decode, stock then patched, side by side
+demo: install-$(DEMO_LMDEPLOY)  ## 1 Prefill + 1 Decode, stock then patched, side by side
 	$(VENVS)/lmdeploy-$(DEMO_LMDEPLOY)/bin/python scripts/demo.py
 
-bench: env  ## start-up cost of the hook, and stock vs patched cluster throughput
+bench: install-$(DEMO_LMDEPLOY)  ## start-up cost of the hook, and stock vs patched cluster throughput
 	$(VENVS)/lmdeploy-$(DEMO_LMDEPLOY)/bin/python scripts/bench_startup.py
 	$(VENVS)/lmdeploy-$(DEMO_LMDEPLOY)/bin/python benchmarks/bench_cluster.py
 
-lint: env
+lint: install-$(DEMO_LMDEPLOY)
 	$(VENVS)/lmdeploy-$(DEMO_LMDEPLOY)/bin/ruff check .
 
 clean:
