@@ -43,6 +43,7 @@ class PrefillBook:
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
     invalid_frees: list[Any] = field(default_factory=list)
+    owner_of_prompt: dict[str, int] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
 
     def free(self, owner: Any) -> None:
@@ -100,6 +101,7 @@ def prefill_app(book: PrefillBook) -> FastAPI:
             return JSONResponse({'error': {'message': 'prompt too long', 'code': 400}}, status_code=400)
         owner = next(book._ids)
         book.retained.add(owner)
+        book.owner_of_prompt[str(body.get('prompt'))] = owner
         answer = {'id': public_id, 'object': 'x', 'choices': [], 'cache_block_ids': BLOCK_IDS,
                   'remote_token_ids': [FIRST_TOKEN], 'cache_session_id': owner}
         if book.answer == 'no_owner':

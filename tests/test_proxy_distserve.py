@@ -186,7 +186,9 @@ async def test_no_decode_node_is_a_503_before_any_prefill_work(distserve: Cluste
 
 
 @pytest.mark.regression
-@pytest.mark.parametrize('body', [{**COMPLETION, 'n': 2}, {**COMPLETION, 'prompt': ['a', 'b']}], ids=['n2', 'batch'])
+@pytest.mark.parametrize('body', [{**COMPLETION, 'n': 2}, {**COMPLETION, 'prompt': []},
+                                  {**COMPLETION, 'prompt': ['a', 'b'], 'stream': True}],
+                         ids=['n2', 'empty-batch', 'streamed-batch'])
 async def test_requests_distserve_cannot_serve_get_a_400_before_any_prefill_work(distserve: Cluster,
                                                                                  body: dict) -> None:
     response = await distserve.post('/v1/completions', body)
@@ -246,3 +248,16 @@ async def test_gc_releases_what_a_failed_compensation_left_behind(distserve: Clu
     assert len(gc.json()['released']) == 1
     assert distserve.prefill.retained == set()
     assert (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
+async def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(distserve: Cluster) -> None:
+    prompts = ['a', 'b', 'c']
+    response = await distserve.post('/v1/completions', {**COMPLETION, 'prompt': prompts})
+    assert response.status_code == 200, response.text
+    owners = [distserve.prefill.owner_of_prompt[prompt] for prompt in prompts]
+    assert len(set(owners)) == 3  # one Prefill session, one owner per prompt
+    choices = response.json()['choices']
+    assert [choice['index'] for choice in choices] == [0, 1, 2]
+    assert [choice['text'] for choice in choices] == [decoded_text(owner) for owner in owners]
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.owner_ids import (
     CAPABILITIES_PATH,
@@ -169,13 +170,18 @@ def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
     return prefill
 
 
+def _is_batch(request_dict: dict[str, Any]) -> bool:
+    return isinstance(request_dict.get('prompt'), list)
+
+
 def _unsupported(request_dict: dict[str, Any]) -> str | None:
     if (request_dict.get('n') or 1) > 1:
         return 'n > 1 is not supported with the DistServe serving strategy.'
-    prompt = request_dict.get('prompt')
-    if isinstance(prompt, list) and len(prompt) != 1:
-        return ('A list of prompts is not supported with the DistServe serving strategy; '
-                'send one prompt per request.')
+    if _is_batch(request_dict) and not request_dict['prompt']:
+        return 'The prompt list is empty.'
+    if _is_batch(request_dict) and request_dict.get('stream') and len(request_dict['prompt']) > 1:
+        return ('Streaming a list of prompts is not supported with the DistServe serving strategy; '
+                'use stream=false or send one prompt per request.')
     return None
 
 
@@ -334,17 +340,27 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
 
 async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request) -> Any:
     """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
-    relay = _Relay(proxy=proxy, path=path, ledger=ledger)
     request_dict = request.model_dump()
     problem = _unsupported(request_dict)
     if problem is not None:
-        return relay.error(HTTPStatus.BAD_REQUEST, problem)
-    roles = proxy.EngineRole
-    relay.p_url = _node_url(relay.nodes, request.model, roles.Prefill) or ''
-    relay.d_url = _node_url(relay.nodes, request.model, roles.Decode) or ''
+        return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
+    if not _is_batch(request_dict):
+        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), request_dict)
+    answers = await asyncio.gather(*(_relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), single)
+                                     for single in split_prompts(request_dict)))
+    failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)
+    if failed is not None:
+        return failed  # every prompt's relay has settled its own cache already
+    return JSONResponse(merge_completions([json.loads(answer.body) for answer in answers]))
+
+
+async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
+    proxy, model = relay.proxy, request_dict['model']
+    relay.p_url = _node_url(relay.nodes, model, proxy.EngineRole.Prefill) or ''
+    relay.d_url = _node_url(relay.nodes, model, proxy.EngineRole.Decode) or ''
     if not relay.p_url or not relay.d_url:
         missing = 'Prefill' if not relay.p_url else 'Decode'
-        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {request.model!r}.')
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
     refused = await _refuse_unfixed_prefill(relay)
     if refused is not None:
         return refused
@@ -357,7 +373,7 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
         return relay.error(HTTPStatus.BAD_GATEWAY, problem)
     relay.record.state = RecordState.MIGRATING
     decode_request = _decode_request(relay, request_dict, answer)
-    if request.stream:
+    if request_dict.get('stream'):
         return await _decode_stream(relay, decode_request)
     return await _decode(relay, decode_request)
 
