@@ -15,6 +15,10 @@ from typing import Any
 
 CACHE_OWNER_FIELD = 'cache_session_id'
 
+# A Prefill answer that is already the whole answer (the first token was a stop token): nothing to migrate,
+# and the Prefill node has already ended the session.
+PREFILL_FINISHED_FIELD = 'prefill_finished'
+
 # A node that names cache owners says so here; the proxy asks before it routes DistServe traffic to it.
 CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
 
@@ -53,6 +57,15 @@ def _is_index(value: Any) -> bool:
 def single_owner(session_ids: Sequence[int]) -> int | None:
     """The owner of a request that created exactly one scheduler session; None for zero or several."""
     return session_ids[0] if len(session_ids) == 1 else None
+
+
+def finished_without_tokens(finish_reason: str | None, generated_tokens: int) -> bool:
+    """A generation that ended before producing a token (its first token was a stop token)."""
+    return finish_reason is not None and generated_tokens == 0
+
+
+def is_finished_at_prefill(body: Any) -> bool:
+    return isinstance(body, dict) and body.get(PREFILL_FINISHED_FIELD) is True
 
 
 def with_owner(body: dict[str, Any], owner: int | None) -> dict[str, Any]:

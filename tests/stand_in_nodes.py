@@ -36,7 +36,7 @@ def decoded_text(owner: Any) -> str:
 class PrefillBook:
     """What a Prefill node retains and what it was asked."""
 
-    answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error
+    answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error | finished
     fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
     free_status: int = 200  # what /distserve/free_cache answers
     retained: set[int] = field(default_factory=set)
@@ -99,6 +99,10 @@ def prefill_app(book: PrefillBook) -> FastAPI:
         book.requests.append(body)
         if book.answer == 'error':
             return JSONResponse({'error': {'message': 'prompt too long', 'code': 400}}, status_code=400)
+        if book.answer == 'finished':  # the first token was a stop token: the Prefill ended the session itself
+            return {'id': public_id, 'object': 'x', 'created': 1, 'model': MODEL, 'prefill_finished': True,
+                    'choices': [{'index': 0, 'text': '', 'message': {'role': 'assistant', 'content': ''},
+                                 'finish_reason': 'stop'}]}
         owner = next(book._ids)
         book.retained.add(owner)
         book.owner_of_prompt[str(body.get('prompt'))] = owner

@@ -261,3 +261,21 @@ async def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(distser
     assert [choice['index'] for choice in choices] == [0, 1, 2]
     assert [choice['text'] for choice in choices] == [decoded_text(owner) for owner in owners]
     assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('stream', [False, True], ids=['plain', 'streamed'])
+async def test_an_answer_finished_at_the_prefill_is_returned_without_a_decode(distserve: Cluster,
+                                                                              stream: bool) -> None:
+    distserve.prefill.answer = 'finished'
+    response = await distserve.post('/v1/completions', {**COMPLETION, 'stream': stream})
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [line for line in response.text.splitlines() if line.startswith('data: ')]
+        assert events[-1] == 'data: [DONE]'
+        choice = json.loads(events[0][len('data: '):])['choices'][0]
+    else:
+        choice = response.json()['choices'][0]
+        assert 'prefill_finished' not in response.json()
+    assert (choice['text'], choice['finish_reason']) == ('', 'stop')
+    assert distserve.decode.migrations == []

@@ -30,8 +30,10 @@ from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord,
 from lmdeploy_pdfix.owner_ids import (
     CAPABILITIES_PATH,
     FIX_HINT,
+    PREFILL_FINISHED_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
+    is_finished_at_prefill,
     parse_prefill_answer,
 )
 from lmdeploy_pdfix.patches._routes import find_post_route, restore_route, swap_endpoint
@@ -206,7 +208,28 @@ def _owner_if_any(text: str) -> int | None:
         return getattr(exc, 'owner', None)
 
 
-async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | JSONResponse:
+@dataclass
+class _FinishedAtPrefill:
+    """The Prefill node's answer is already complete (first token was a stop token; its session is ended)."""
+
+    body: dict[str, Any]
+
+    def response(self, path: str, stream: bool) -> JSONResponse | StreamingResponse:
+        body = {key: value for key, value in self.body.items() if key != PREFILL_FINISHED_FIELD}
+        if not stream:
+            return JSONResponse(body)
+        chunk = {key: body[key] for key in ('id', 'created', 'model') if key in body}
+        finish_reason = body['choices'][0].get('finish_reason')
+        if path == CHAT_PATH:
+            chunk.update(object='chat.completion.chunk', choices=[
+                {'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': finish_reason}])
+        else:
+            chunk.update(object='text_completion', choices=[{'index': 0, 'text': '', 'finish_reason': finish_reason}])
+        events = [f'data: {json.dumps(chunk)}\n\n', 'data: [DONE]\n\n']
+        return StreamingResponse(iter(events), media_type='text/event-stream')
+
+
+async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | _FinishedAtPrefill | JSONResponse:
     try:
         status, text = await relay.post(relay.p_url, _prefill_request(request_dict))
     except asyncio.TimeoutError:
@@ -217,7 +240,10 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer
         await _release_unusable(relay, _owner_if_any(text), 'Prefill error')
         return relay.error(status, f'Prefill node {relay.p_url}: {_error_message(status, text)}')
     try:
-        answer = parse_prefill_answer(json.loads(text))
+        body = json.loads(text)
+        if is_finished_at_prefill(body):
+            return _FinishedAtPrefill(body)
+        answer = parse_prefill_answer(body)
     except (ValueError, PrefillAnswerError) as exc:
         relay.ledger.reject(type(exc).__name__)
         await _release_unusable(relay, getattr(exc, 'owner', None), 'invalid Prefill answer')
@@ -367,6 +393,8 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
     answer = await _prefill(relay, request_dict)
     if isinstance(answer, JSONResponse):
         return answer
+    if isinstance(answer, _FinishedAtPrefill):
+        return answer.response(relay.path, bool(request_dict.get('stream')))
     problem = await _connect(relay)
     if problem is not None:
         await relay.release('connection failed')

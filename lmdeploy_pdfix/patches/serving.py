@@ -4,7 +4,9 @@ LMDeploy's chat and completions endpoints answer a ``with_cache`` request with t
 not with its owner: the public ``id`` is ``chatcmpl-…`` (chat) or the caller's ``session_id`` (completions),
 never the scheduler session the Decode node must free. This patch records the sessions an endpoint creates
 (``ServerContext.create_session``) and adds ``cache_session_id`` to the non-streaming body and to the stream
-chunk that carries ``cache_block_ids``. Public ids are unchanged. The node also answers
+chunk that carries ``cache_block_ids``. Public ids are unchanged. A request whose first token is a stop
+token (D8) gets a finished answer marked ``prefill_finished`` and its preserved session ended, instead of a
+500 that keeps the session. The node also answers
 ``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
 """
 
@@ -13,49 +15,120 @@ from __future__ import annotations
 import contextvars
 import importlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+import shortuuid
 from fastapi.responses import StreamingResponse
 
 from lmdeploy_pdfix import __version__
-from lmdeploy_pdfix.owner_ids import CAPABILITIES_PATH, single_owner, sse_chunk_with_owner, with_owner
+from lmdeploy_pdfix.owner_ids import (
+    CAPABILITIES_PATH,
+    PREFILL_FINISHED_FIELD,
+    finished_without_tokens,
+    single_owner,
+    sse_chunk_with_owner,
+    with_owner,
+)
 from lmdeploy_pdfix.patches._routes import swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
 
 # The routes whose ``with_cache`` answers must name their owner, by the module that registers each.
+CHAT_PATH = '/v1/chat/completions'
 ENDPOINT_MODULES = {
-    'lmdeploy.serve.openai.chat_completions': '/v1/chat/completions',
+    'lmdeploy.serve.openai.chat_completions': CHAT_PATH,
     'lmdeploy.serve.openai.endpoints.completions': '/v1/completions',
 }
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
+ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
 
-_created_sessions: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    'lmdeploy_pdfix_created_sessions', default=None)
+@dataclass
+class _RequestTrace:
+    """What one endpoint call created and generated, seen from LMDeploy's own calls."""
+
+    sessions: list[int] = field(default_factory=list)
+    input_tokens: int = 0
+    generated_tokens: int = 0
+    finish_reason: str | None = None
+
+    def observe(self, output: Any) -> None:
+        self.input_tokens = output.input_token_len
+        self.generated_tokens += len(output.token_ids or ())
+        self.finish_reason = output.finish_reason or self.finish_reason
+
+
+_trace: contextvars.ContextVar[_RequestTrace | None] = contextvars.ContextVar('lmdeploy_pdfix_trace', default=None)
 
 
 def _recording_created_sessions(original):
     def create_session(self, *args, **kwargs):
         session = original(self, *args, **kwargs)
-        created = _created_sessions.get()
-        if created is not None:
-            created.append(session.session_id)
+        trace = _trace.get()
+        if trace is not None:
+            trace.sessions.append(session.session_id)
         return session
 
     return create_session
 
 
-def _reporting_owner(endpoint):
-    async def endpoint_reporting_owner(*args, **kwargs):
-        created: list[int] = []
-        token = _created_sessions.set(created)
-        try:
-            response = await endpoint(*args, **kwargs)
-        finally:
-            _created_sessions.reset(token)
-        return _response_with_owner(response, single_owner(created))
+def _observing_outputs(original):
+    def generate(self, *args, **kwargs):
+        outputs = original(self, *args, **kwargs)
+        trace = _trace.get()
+        return outputs if trace is None else _observed(outputs, trace)
 
-    return endpoint_reporting_owner
+    return generate
+
+
+async def _observed(outputs: AsyncIterator[Any], trace: _RequestTrace) -> AsyncIterator[Any]:
+    try:
+        async for output in outputs:
+            trace.observe(output)
+            yield output
+    finally:
+        await outputs.aclose()  # LMDeploy's cleanup closes this wrapper; the engine generator must close too
+
+
+def _reporting_owner(path: str, server_context):
+    def make_endpoint(endpoint):
+        async def endpoint_reporting_owner(*args, **kwargs):
+            trace = _RequestTrace()
+            token = _trace.set(trace)
+            try:
+                response = await endpoint(*args, **kwargs)
+            except IndexError:
+                # D8: the first token was a stop token, LMDeploy indexes the absent token and would answer 500
+                # while the engine keeps the preserved session. Answer the finished request and end it.
+                owner = single_owner(trace.sessions)
+                if owner is None or not finished_without_tokens(trace.finish_reason, trace.generated_tokens):
+                    raise
+                server_context.async_engine.free_cache(owner)
+                return _finished_answer(path, kwargs['request'], trace)
+            finally:
+                _trace.reset(token)
+            return _response_with_owner(response, single_owner(trace.sessions))
+
+        return endpoint_reporting_owner
+
+    return make_endpoint
+
+
+def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str, Any]:
+    from lmdeploy.serve.openai import protocol
+
+    usage = protocol.UsageInfo(prompt_tokens=trace.input_tokens, completion_tokens=0,
+                               total_tokens=trace.input_tokens)
+    if path == CHAT_PATH:
+        choice = protocol.ChatCompletionResponseChoice(
+            index=0, message=protocol.ChatMessage(role='assistant', content=''), finish_reason=trace.finish_reason)
+        body = protocol.ChatCompletionResponse(id=f'chatcmpl-{shortuuid.random()}', model=request.model,
+                                               choices=[choice], usage=usage)
+    else:
+        choice = protocol.CompletionResponseChoice(index=0, text='', finish_reason=trace.finish_reason)
+        body = protocol.CompletionResponse(id=str(request.session_id), model=request.model, choices=[choice],
+                                           usage=usage)
+    return {**body.model_dump(), PREFILL_FINISHED_FIELD: True}
 
 
 def _response_with_owner(response: Any, owner: int | None) -> Any:
@@ -93,7 +166,7 @@ def _registering_owner_routes(path: str):
     def make_register(original):
         def register(router, server_context):
             original(router, server_context)
-            swap_endpoint(router.routes, path, _reporting_owner)
+            swap_endpoint(router.routes, path, _reporting_owner(path, server_context))
 
         return register
 
@@ -110,16 +183,23 @@ class ServingCacheOwnerPatch(Patch):
             return 'ServerContext is missing'
         registers = [signature_problem(importlib.import_module(name), 'register', ['router', 'server_context'])
                      for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE)]
-        return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']), *registers)
+        engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
+        if engine is None:
+            return 'AsyncEngine is missing'
+        return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
+                             signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
+                             signature_problem(engine, 'free_cache', ['self', 'session_id']), *registers)
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
+        install_wrapper(importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine, 'generate', _observing_outputs)
         for name, path in ENDPOINT_MODULES.items():
             install_wrapper(importlib.import_module(name), 'register', _registering_owner_routes(path))
         install_wrapper(importlib.import_module(DISTSERVE_MODULE), 'register', _announcing_capabilities)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.ServerContext, 'create_session')
+        remove_wrapper(importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine, 'generate')
         for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
             remove_wrapper(importlib.import_module(name), 'register')
 
