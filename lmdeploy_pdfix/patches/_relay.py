@@ -1,0 +1,399 @@
+"""The DistServe relay: one request through a Prefill node and a Decode node, migrated by cache owner.
+
+Our own handler, built from LMDeploy's public pieces (its node manager, connection pool, protocol models and
+error responses). Every exit goes through the owner ledger: migrated, compensated by a release, or left
+for gc when even the release failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lmdeploy_pdfix.batching import merge_completions, split_prompts
+from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
+from lmdeploy_pdfix.owner_ids import (
+    CAPABILITIES_PATH,
+    FIX_HINT,
+    PREFILL_FINISHED_FIELD,
+    PrefillAnswer,
+    PrefillAnswerError,
+    is_finished_at_prefill,
+    parse_prefill_answer,
+)
+from lmdeploy_pdfix.patching import lmdeploy_logger
+
+CHAT_PATH = '/v1/chat/completions'
+COMPLETIONS_PATH = '/v1/completions'
+RELEASE_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 5.0
+# How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
+# upgraded any moment, so it is asked again soon.
+PROBE_TTL_S = {True: 60.0, False: 5.0}
+
+
+async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
+    """Ask the Prefill node to end the session holding ``owner``'s cache; True once it answered 200."""
+    from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
+
+    free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
+                session.post(f'{p_url}/distserve/free_cache', json=free.model_dump(mode='json')) as response:
+            await response.read()
+            if response.status == HTTPStatus.OK:
+                return True
+            problem = f'HTTP {response.status}'
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        problem = repr(exc)
+    lmdeploy_logger().warning(f'lmdeploy-pdfix: releasing Prefill session {owner} on {p_url} ({reason}) '
+                              f'failed: {problem}')
+    return False
+
+
+async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause, reason: str) -> bool:
+    """Free ``record``'s Prefill session and close it; a failed free stays on the books for gc."""
+    if await free_prefill_session(record.p_url, record.owner, reason):
+        return ledger.close(record, cause)
+    record.state = RecordState.RELEASE_FAILED
+    return False
+
+
+@dataclass
+class _Relay:
+    """One DistServe request on its way through a Prefill node and a Decode node."""
+
+    proxy: ModuleType
+    path: str
+    ledger: OwnerLedger
+    p_url: str = ''
+    d_url: str = ''
+    record: OwnerRecord | None = None
+
+    @property
+    def nodes(self):
+        return self.proxy.node_manager
+
+    def error(self, status: HTTPStatus | int, message: str) -> JSONResponse:
+        return self.proxy.create_error_response(status, message)
+
+    async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
+        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+        start = self.nodes.pre_call(url)
+        try:
+            async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
+                    session.post(url + self.path, json=payload) as response:
+                return response.status, await response.text()
+        finally:
+            self.nodes.post_call(url, start)
+
+    def hold(self, owner: int) -> None:
+        """Open the books on the cache the Prefill node retained for this request."""
+        self.record = self.ledger.open(owner, self.p_url, self.d_url)
+
+    async def release(self, reason: str) -> None:
+        """Compensate: free the retained Prefill cache, if this request holds one."""
+        record, self.record = self.record, None
+        if record is not None:
+            await release(self.ledger, record, ReleaseCause.COMPENSATED, reason)
+
+    def migrated(self) -> None:
+        """The Decode node took the cache over (it frees the Prefill session itself)."""
+        record, self.record = self.record, None
+        if record is not None:
+            self.ledger.close(record, ReleaseCause.MIGRATED)
+
+
+class _CapabilityProbe:
+    """Whether a Prefill node names cache owners, asked once per node and remembered for a while."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[bool, float]] = {}
+
+    async def names_owners(self, url: str) -> bool | None:
+        """True or False as the node says; None when it cannot be asked (not remembered)."""
+        known = self._known.get(url)
+        if known is not None and time.monotonic() < known[1]:
+            return known[0]
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as session, \
+                    session.get(url + CAPABILITIES_PATH) as response:
+                body = await response.json(content_type=None) if response.status == HTTPStatus.OK else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        capable = isinstance(body, dict) and body.get('cache_owner') is True
+        self._known[url] = (capable, time.monotonic() + PROBE_TTL_S[capable])
+        return capable
+
+
+_probe = _CapabilityProbe()
+
+
+async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
+    capable = await _probe.names_owners(relay.p_url)
+    if capable is None:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable.')
+    if not capable:
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                           f'The Prefill node {relay.p_url} does not name the owner of the caches it keeps, so '
+                           f'DistServe requests through this proxy would leak its sessions. {FIX_HINT}')
+    return None
+
+
+def _node_url(nodes, model: str, role) -> str | None:
+    try:
+        return nodes.get_node_url(model, role)
+    except Exception:  # LMDeploy raises TypeError instead of returning None when no node matches
+        return None
+
+
+def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
+    prefill = json.loads(json.dumps(request_dict))
+    prefill.update(max_tokens=1, stream=False, with_cache=True, preserve_cache=True)
+    if 'max_completion_tokens' in prefill:
+        prefill['max_completion_tokens'] = 1
+    return prefill
+
+
+def _is_batch(request_dict: dict[str, Any]) -> bool:
+    return isinstance(request_dict.get('prompt'), list)
+
+
+def _unsupported(request_dict: dict[str, Any]) -> str | None:
+    if (request_dict.get('n') or 1) > 1:
+        return 'n > 1 is not supported with the DistServe serving strategy.'
+    if _is_batch(request_dict) and not request_dict['prompt']:
+        return 'The prompt list is empty.'
+    if _is_batch(request_dict) and request_dict.get('stream') and len(request_dict['prompt']) > 1:
+        return ('Streaming a list of prompts is not supported with the DistServe serving strategy; '
+                'use stream=false or send one prompt per request.')
+    return None
+
+
+def _error_message(status: int, text: str) -> str:
+    """The message of a node's error answer, whatever shape it has."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or HTTPStatus(status).phrase
+    if isinstance(body, dict):
+        error = body.get('error')
+        message = error.get('message') if isinstance(error, dict) else body.get('message') or body.get('text')
+        if message:
+            return str(message)
+    return text.strip()[:500]
+
+
+def _owner_if_any(text: str) -> int | None:
+    try:
+        return parse_prefill_answer(json.loads(text)).owner
+    except (ValueError, PrefillAnswerError) as exc:
+        return getattr(exc, 'owner', None)
+
+
+@dataclass
+class _FinishedAtPrefill:
+    """The Prefill node's answer is already complete (first token was a stop token; its session is ended)."""
+
+    body: dict[str, Any]
+
+    def response(self, path: str, stream: bool) -> JSONResponse | StreamingResponse:
+        body = {key: value for key, value in self.body.items() if key != PREFILL_FINISHED_FIELD}
+        if not stream:
+            return JSONResponse(body)
+        chunk = {key: body[key] for key in ('id', 'created', 'model') if key in body}
+        finish_reason = body['choices'][0].get('finish_reason')
+        if path == CHAT_PATH:
+            chunk.update(object='chat.completion.chunk', choices=[
+                {'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': finish_reason}])
+        else:
+            chunk.update(object='text_completion', choices=[{'index': 0, 'text': '', 'finish_reason': finish_reason}])
+        events = [f'data: {json.dumps(chunk)}\n\n', 'data: [DONE]\n\n']
+        return StreamingResponse(iter(events), media_type='text/event-stream')
+
+
+async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | _FinishedAtPrefill | JSONResponse:
+    try:
+        status, text = await relay.post(relay.p_url, _prefill_request(request_dict))
+    except asyncio.TimeoutError:
+        return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
+    except aiohttp.ClientError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable: {exc}')
+    if status != HTTPStatus.OK:
+        await _release_unusable(relay, _owner_if_any(text), 'Prefill error')
+        return relay.error(status, f'Prefill node {relay.p_url}: {_error_message(status, text)}')
+    try:
+        body = json.loads(text)
+        if is_finished_at_prefill(body):
+            return _FinishedAtPrefill(body)
+        answer = parse_prefill_answer(body)
+    except (ValueError, PrefillAnswerError) as exc:
+        relay.ledger.reject(type(exc).__name__)
+        await _release_unusable(relay, getattr(exc, 'owner', None), 'invalid Prefill answer')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Prefill node {relay.p_url}: {exc}')
+    try:
+        relay.hold(answer.owner)
+    except DuplicateOwnerError as exc:
+        relay.ledger.reject(type(exc).__name__)  # never free it: the open record's request owns that cache
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'{exc}; the Prefill node may have restarted.')
+    return answer
+
+
+async def _release_unusable(relay: _Relay, owner: int | None, reason: str) -> None:
+    """A Prefill answer that named an owner but cannot be migrated from: free it through the books."""
+    if owner is None:
+        return
+    with contextlib.suppress(DuplicateOwnerError):
+        relay.hold(owner)
+        await relay.release(reason)
+
+
+async def _connect(relay: _Relay) -> str | None:
+    pool = relay.nodes.pd_connection_pool
+    if pool.is_connected(relay.p_url, relay.d_url):
+        return None
+    message = relay.proxy.PDConnectionMessage(p_url=relay.p_url, d_url=relay.d_url,
+                                              protocol=relay.nodes.migration_protocol,
+                                              rdma_config=relay.nodes.rdma_config)
+    try:
+        await pool.connect(message)
+    except Exception as exc:
+        return f'Cannot connect Prefill {relay.p_url} and Decode {relay.d_url}: {exc!r}'
+    return None
+
+
+def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer) -> dict[str, Any]:
+    migration = relay.proxy.MigrationRequest(protocol=relay.nodes.migration_protocol,
+                                             remote_engine_id=relay.p_url,
+                                             remote_session_id=answer.owner,
+                                             remote_block_ids=answer.block_ids,
+                                             remote_token_id=answer.first_token_id)
+    return {**request_dict, 'migration_request': migration.model_dump(mode='json')}
+
+
+async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:
+    try:
+        status, text = await relay.post(relay.d_url, decode_request)
+        body = json.loads(text)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        await relay.release('Decode failed')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    if status != HTTPStatus.OK:
+        await relay.release('Decode error')
+        return relay.error(status, f'Decode node {relay.d_url}: {_error_message(status, text)}')
+    relay.migrated()
+    return JSONResponse(body)
+
+
+class _DecodeStream(StreamingResponse):
+    """Relays the Decode node's event stream; whatever ends it, the relay is settled exactly once."""
+
+    def __init__(self, relay: _Relay, session: aiohttp.ClientSession, response: aiohttp.ClientResponse,
+                 settle: Callable[[bool], Any]) -> None:
+        self._session, self._response, self._settle = session, response, settle
+        self._completed = False
+        self._settled = False
+        super().__init__(self._events(), media_type='text/event-stream')
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        async for line in self._response.content:
+            line = line.strip()
+            if line == b'data: [DONE]':
+                # settle before the client sees the end, so its books are balanced when it does
+                self._completed = True
+                await self.settle()
+                yield line + b'\n\n'
+                return
+            if line:
+                yield line + b'\n\n'
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.settle()
+
+    async def settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        self._response.release()
+        await self._session.close()
+        await self._settle(self._completed)
+
+
+async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> StreamingResponse | JSONResponse:
+    start = relay.nodes.pre_call(relay.d_url)
+    session = aiohttp.ClientSession(timeout=relay.nodes.aiotimeout)
+
+    async def settle(completed: bool) -> None:
+        relay.nodes.post_call(relay.d_url, start)
+        if completed:
+            relay.migrated()
+        else:
+            await relay.release('Decode stream ended early')
+
+    try:
+        response = await session.post(relay.d_url + relay.path, json=decode_request)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        await session.close()
+        await settle(False)
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    stream = _DecodeStream(relay, session, response, settle)
+    if response.status != HTTPStatus.OK:
+        text = await response.text()
+        await stream.settle()
+        return relay.error(response.status, f'Decode node {relay.d_url}: {_error_message(response.status, text)}')
+    return stream
+
+
+async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request) -> Any:
+    """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
+    request_dict = request.model_dump()
+    problem = _unsupported(request_dict)
+    if problem is not None:
+        return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
+    if not _is_batch(request_dict):
+        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), request_dict)
+    answers = await asyncio.gather(*(_relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), single)
+                                     for single in split_prompts(request_dict)))
+    failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)
+    if failed is not None:
+        return failed  # every prompt's relay has settled its own cache already
+    return JSONResponse(merge_completions([json.loads(answer.body) for answer in answers]))
+
+
+async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
+    proxy, model = relay.proxy, request_dict['model']
+    relay.p_url = _node_url(relay.nodes, model, proxy.EngineRole.Prefill) or ''
+    relay.d_url = _node_url(relay.nodes, model, proxy.EngineRole.Decode) or ''
+    if not relay.p_url or not relay.d_url:
+        missing = 'Prefill' if not relay.p_url else 'Decode'
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
+    refused = await _refuse_unfixed_prefill(relay)
+    if refused is not None:
+        return refused
+    answer = await _prefill(relay, request_dict)
+    if isinstance(answer, JSONResponse):
+        return answer
+    if isinstance(answer, _FinishedAtPrefill):
+        return answer.response(relay.path, bool(request_dict.get('stream')))
+    problem = await _connect(relay)
+    if problem is not None:
+        await relay.release('connection failed')
+        return relay.error(HTTPStatus.BAD_GATEWAY, problem)
+    relay.record.state = RecordState.MIGRATING
+    decode_request = _decode_request(relay, request_dict, answer)
+    if request_dict.get('stream'):
+        return await _decode_stream(relay, decode_request)
+    return await _decode(relay, decode_request)
