@@ -56,8 +56,9 @@ class PrefillBook:
 
 @dataclass
 class DecodeBook:
-    answer: str = 'ok'  # ok | error
+    answer: str = 'ok'  # ok | error | slow
     migrations: list[dict[str, Any]] = field(default_factory=list)
+    aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
 
 
 def _add_handshake(app: FastAPI) -> None:
@@ -138,6 +139,9 @@ def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
         if book.answer == 'error':
             return JSONResponse({'error': {'message': 'decode engine failed', 'code': 500}}, status_code=500)
         owner = migration.get('remote_session_id')
+        if book.answer == 'slow' and await _abandoned(request, seconds=5):
+            book.aborted.append(owner)  # as LMDeploy's endpoints do: poll for the client, abort when it left
+            return JSONResponse({'error': 'aborted'}, status_code=499)
         await asyncio.sleep(0.01)  # the KV copy
         prefill.free(owner)  # a real Decode frees the Prefill session over ZMQ once it has copied it
         text = decoded_text(owner)
@@ -148,6 +152,14 @@ def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
     app.post('/v1/chat/completions')(decode)
     app.post('/v1/completions')(decode)
     return app
+
+
+async def _abandoned(request: Request, seconds: float) -> bool:
+    for _ in range(int(seconds / 0.05)):
+        if await request.is_disconnected():
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 async def _events(text: str):

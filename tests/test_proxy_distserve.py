@@ -279,3 +279,17 @@ async def test_an_answer_finished_at_the_prefill_is_returned_without_a_decode(di
         assert 'prefill_finished' not in response.json()
     assert (choice['text'], choice['finish_reason']) == ('', 'stop')
     assert distserve.decode.migrations == []
+
+
+@pytest.mark.regression
+async def test_a_client_that_leaves_during_decode_aborts_it_and_leaves_nothing_behind(distserve: Cluster) -> None:
+    distserve.decode.answer = 'slow'
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            await client.post(distserve.url + '/v1/completions', json=COMPLETION)
+    for _ in range(100):  # the proxy notices within its poll interval; the Decode within its own
+        if distserve.decode.aborted and not distserve.prefill.retained:
+            break
+        await asyncio.sleep(0.05)
+    assert len(distserve.decode.aborted) == 1
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0

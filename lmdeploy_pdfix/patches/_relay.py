@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import ModuleType
@@ -36,6 +36,8 @@ from lmdeploy_pdfix.patching import lmdeploy_logger
 CHAT_PATH = '/v1/chat/completions'
 COMPLETIONS_PATH = '/v1/completions'
 RELEASE_TIMEOUT_S = 10.0
+DISCONNECT_POLL_S = 0.2
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
@@ -373,7 +375,33 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
     return JSONResponse(merge_completions([json.loads(answer.body) for answer in answers]))
 
 
+async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
+    """``work``'s answer; if the client disconnects first, ``work`` is cancelled (and so releases)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if raw_request is not None and await raw_request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        task.cancel()  # a no-op once it is done; stops it if this handler itself is cancelled
+
+
 async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
+    try:
+        return await _relay_steps(relay, request_dict)
+    except asyncio.CancelledError:
+        # The client left: release what this request retained; closing our connections aborts the Decode.
+        await asyncio.shield(relay.release('client disconnected'))
+        raise
+
+
+async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
     proxy, model = relay.proxy, request_dict['model']
     relay.p_url = _node_url(relay.nodes, model, proxy.EngineRole.Prefill) or ''
     relay.d_url = _node_url(relay.nodes, model, proxy.EngineRole.Decode) or ''

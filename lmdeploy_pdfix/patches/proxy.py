@@ -18,7 +18,13 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.ledger import OwnerLedger, OwnerRecord, ReleaseCause
-from lmdeploy_pdfix.patches._relay import CHAT_PATH, COMPLETIONS_PATH, relay_distserve, release
+from lmdeploy_pdfix.patches._relay import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    relay_distserve,
+    release,
+    until_client_leaves,
+)
 from lmdeploy_pdfix.patches._routes import find_post_route, restore_route, swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 
@@ -38,7 +44,7 @@ def _relaying_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger):
             rejected = await nodes.check_request_model(request.model)
             if rejected is not None:
                 return rejected
-            return await relay_distserve(proxy, path, ledger, request)
+            return await until_client_leaves(raw_request, relay_distserve(proxy, path, ledger, request))
 
         return endpoint
 
