@@ -286,7 +286,7 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
 async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:
     try:
         status, text = await relay.post(relay.d_url, decode_request)
-        body = json.loads(text)
+        body = json.loads(text) if status == HTTPStatus.OK else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         await relay.release('Decode failed')
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
@@ -303,17 +303,17 @@ class _DecodeStream(StreamingResponse):
     def __init__(self, relay: _Relay, session: aiohttp.ClientSession, response: aiohttp.ClientResponse,
                  settle: Callable[[bool], Any]) -> None:
         self._session, self._response, self._settle = session, response, settle
-        self._completed = False
+        self._migrated = False
         self._settled = False
         super().__init__(self._events(), media_type='text/event-stream')
 
     async def _events(self) -> AsyncIterator[bytes]:
         async for line in self._response.content:
             line = line.strip()
+            # The Decode streams tokens only once it copied the cache and freed the Prefill session.
+            self._migrated = self._migrated or (line.startswith(b'data: {') and b'"choices"' in line)
             if line == b'data: [DONE]':
-                # settle before the client sees the end, so its books are balanced when it does
-                self._completed = True
-                await self.settle()
+                await self.settle()  # before the client sees the end, so the books balance when it does
                 yield line + b'\n\n'
                 return
             if line:
@@ -331,19 +331,19 @@ class _DecodeStream(StreamingResponse):
         self._settled = True
         self._response.release()
         await self._session.close()
-        await self._settle(self._completed)
+        await self._settle(self._migrated)
 
 
 async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> StreamingResponse | JSONResponse:
     start = relay.nodes.pre_call(relay.d_url)
     session = aiohttp.ClientSession(timeout=relay.nodes.aiotimeout)
 
-    async def settle(completed: bool) -> None:
+    async def settle(migrated: bool) -> None:
         relay.nodes.post_call(relay.d_url, start)
-        if completed:
+        if migrated:
             relay.migrated()
         else:
-            await relay.release('Decode stream ended early')
+            await relay.release('Decode stream ended before any token')
 
     try:
         response = await session.post(relay.d_url + relay.path, json=decode_request)

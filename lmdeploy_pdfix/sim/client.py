@@ -5,9 +5,13 @@ Standard library only, so soak runs and tests need nothing beyond the package.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -61,9 +65,14 @@ def _text_of(kind: str, raw: bytes) -> tuple[str, str]:
     return ''.join(parts), ''
 
 
-def request(proxy_url: str, kind: str, prompt: str, max_tokens: int = 8, timeout_s: float = 30.0) -> Result:
-    """One request of ``kind`` (completions, chat or stream), never raising and never outliving ``timeout_s``."""
+def request(proxy_url: str, kind: str, prompt: str, max_tokens: int = 8, timeout_s: float = 30.0,
+            extra: dict | None = None) -> Result:
+    """One request of ``kind`` (completions, chat or stream), never raising and never outliving ``timeout_s``.
+
+    ``extra`` adds or overrides request fields (e.g. a sampling parameter a node rejects).
+    """
     path, body = _payload(kind, prompt, max_tokens)
+    body.update(extra or {})
     expected = model.expected_text_for(prompt, max_tokens)
     req = urllib.request.Request(f'{proxy_url}{path}', data=json.dumps(body).encode(), method='POST',
                                  headers={'Content-Type': 'application/json'})
@@ -90,3 +99,31 @@ def prompt_for(index: int, length: int = 0) -> str:
         return base
     filler = ' lorem ipsum dolor sit amet'
     return (base + filler * (length // len(filler) + 1))[:length]
+
+
+def stream_then_disconnect(proxy_url: str, prompt: str, max_tokens: int, timeout_s: float = 30.0,
+                           chat: bool = True) -> tuple[int, str]:
+    """Start a streaming chat (or completion), read up to its first ``data:`` event, then drop the connection.
+
+    Returns (HTTP status, the first event line, or the error body); (0, error) when nothing came back in time.
+    """
+    parts = urllib.parse.urlsplit(proxy_url)
+    path, body = _payload('stream' if chat else 'completions', prompt, max_tokens)
+    body['stream'] = True
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    try:
+        conn.request('POST', path, json.dumps(body), {'Content-Type': 'application/json'})
+        response = conn.getresponse()
+        if response.status != 200:
+            return response.status, response.read()[:300].decode(errors='replace')
+        while True:
+            line = response.readline()
+            if not line or line.startswith(b'data:'):
+                return response.status, line.decode(errors='replace').strip()
+    except OSError as exc:
+        return 0, repr(exc)
+    finally:
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)  # a real disconnect, not a lingering half-read response
+        conn.close()

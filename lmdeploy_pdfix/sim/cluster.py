@@ -33,6 +33,7 @@ class ClusterConfig:
     prefill: int = 1
     decode: int = 1
     stock: bool = False  # LMDEPLOY_PDFIX unset: LMDeploy as released, only the model emulated
+    stock_roles: tuple[str, ...] = ()  # roles (Proxy, Prefill, Decode) run stock even when ``stock`` is False
     max_prefill_token_num: int | None = None
     num_blocks: int = 512
     max_batch_size: int = 64  # explicit: LMDeploy's default asks the CUDA device name
@@ -52,6 +53,7 @@ class Process:
     pid: int
     log: str
     state_file: str | None = None
+    stopped: bool = False  # stopped by ``stop_node``; ``restart_node`` starts it again on the same port
 
 
 @dataclass
@@ -114,13 +116,14 @@ class Cluster:
             args += ['--max-prefill-token-num', str(self.config.max_prefill_token_num)]
         return args
 
-    def _spawn(self, name: str, role: str, make_args) -> Process:
-        port = free_port()
+    def _spawn(self, name: str, role: str, make_args, port: int | None = None) -> Process:
+        restart = port is not None
+        port = port if restart else free_port()
         args = make_args(port) if role == 'Proxy' else make_args(port, role)
         log = self.config.log_dir / f'{name}.log'
         state_file = None if role == 'Proxy' else str((self.config.log_dir / f'{name}.state.json').resolve())
         env = self._env(role, state_file)
-        with open(log, 'wb') as out:
+        with open(log, 'ab' if restart else 'wb') as out:  # a restart appends to the node's log
             # Own session = own process group, so stop() reaches the spawned engine child too.
             popen = subprocess.Popen([self.config.python, '-m', 'lmdeploy', *args], stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -141,7 +144,7 @@ class Cluster:
         })
         for var in ('LMDEPLOY_PDFIX', 'LMDEPLOY_PDFIX_SIM_STATE', 'LMDEPLOY_PDFIX_SIM_DROP_KV'):
             env.pop(var, None)
-        if not self.config.stock:
+        if not (self.config.stock or role in self.config.stock_roles):
             env['LMDEPLOY_PDFIX'] = '1'
         if state_file:
             env['LMDEPLOY_PDFIX_SIM_STATE'] = state_file
@@ -158,6 +161,36 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f'nodes not registered with the proxy: {sorted(expected - set(status))}')
             time.sleep(0.5)
+
+    def process(self, url: str) -> Process:
+        """The process serving ``url`` (proxy or node)."""
+        for proc in self.processes:
+            if proc.url == url:
+                return proc
+        raise KeyError(url)
+
+    def stop_node(self, url: str) -> Process:
+        """Stop one node's process group (api_server and engine) abruptly; the proxy keeps listing it."""
+        proc = self.process(url)
+        if proc.role == 'Proxy':
+            raise ValueError('stop_node stops Prefill and Decode nodes only')
+        stop_processes([proc], grace_s=0.0)
+        proc.stopped = True
+        return proc
+
+    def restart_node(self, url: str, timeout_s: float | None = None) -> Process:
+        """Start a stopped node again on the same URL; it re-registers with the proxy before it is healthy."""
+        old = self.process(url)
+        if not old.stopped:
+            raise ValueError(f'{url} is running')
+        port = int(url.rsplit(':', 1)[1])
+        deadline = time.monotonic() + (self.config.startup_timeout_s if timeout_s is None else timeout_s)
+        wait_port_free(port, deadline)
+        self.processes.remove(old)
+        proc = self._spawn(old.name, old.role, self._node_args, port=port)
+        wait_http_ok(f'{proc.url}/health', deadline, proc.pid)
+        self._wait_registered(deadline)
+        return proc
 
     def node_state(self, url: str) -> dict[str, Any]:
         return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5)
@@ -192,6 +225,7 @@ class Cluster:
     def from_json(cls, data: dict[str, Any]) -> Cluster:
         cfg = dict(data['config'])
         cfg['log_dir'], cfg['model_dir'] = Path(cfg['log_dir']), Path(cfg['model_dir'])
+        cfg['stock_roles'] = tuple(cfg.get('stock_roles', ()))
         return cls(ClusterConfig(**cfg), [Process(**proc) for proc in data['processes']], data.get('startup_s'))
 
 
@@ -253,13 +287,28 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_processes(processes: list[Process]) -> None:
-    """SIGTERM each started process group, SIGKILL what outlives the grace period."""
+def wait_port_free(port: int, deadline: float) -> None:
+    """Until ``port`` on the loopback can be bound again (a killed server's socket may linger briefly)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((HOST, port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f'port {port} still in use') from None
+        time.sleep(0.2)
+
+
+def stop_processes(processes: list[Process], grace_s: float = _TERM_GRACE_S) -> None:
+    """SIGTERM each started process group, SIGKILL what outlives the grace period (0: SIGKILL at once)."""
     groups = [proc.pid for proc in processes]  # start_new_session: pgid == pid of the started process
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + _TERM_GRACE_S
+    if grace_s > 0:
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     for pgid in groups:
         while time.monotonic() < deadline and (_alive(pgid) or _group_alive(pgid)):
             time.sleep(0.1)
