@@ -56,7 +56,7 @@ class PrefillBook:
 
 @dataclass
 class DecodeBook:
-    answer: str = 'ok'  # ok | error | slow
+    answer: str = 'ok'  # ok | error | slow | dies (mid-stream)
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
 
@@ -146,7 +146,7 @@ def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
         prefill.free(owner)  # a real Decode frees the Prefill session over ZMQ once it has copied it
         text = decoded_text(owner)
         if body.get('stream'):
-            return StreamingResponse(_events(text), media_type='text/event-stream')
+            return StreamingResponse(_events(text, die=book.answer == 'dies'), media_type='text/event-stream')
         return {'id': 'decode', 'object': 'text_completion', 'choices': [{'index': 0, 'text': text}]}
 
     app.post('/v1/chat/completions')(decode)
@@ -162,7 +162,9 @@ async def _abandoned(request: Request, seconds: float) -> bool:
     return False
 
 
-async def _events(text: str):
+async def _events(text: str, die: bool = False):
     for word in text.split(' '):
         yield f'data: {json.dumps({"choices": [{"index": 0, "text": word}]})}\n\n'
+        if die:
+            raise RuntimeError('the Decode engine died')  # the connection breaks mid-stream
     yield 'data: [DONE]\n\n'

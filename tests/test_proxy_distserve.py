@@ -293,3 +293,15 @@ async def test_a_client_that_leaves_during_decode_aborts_it_and_leaves_nothing_b
         await asyncio.sleep(0.05)
     assert len(distserve.decode.aborted) == 1
     assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
+async def test_a_decode_dying_mid_stream_ends_the_stream_with_an_error_event(distserve: Cluster) -> None:
+    distserve.decode.answer = 'dies'
+    async with httpx.AsyncClient(timeout=30) as client, \
+            client.stream('POST', distserve.url + '/v1/chat/completions', json={**CHAT, 'stream': True}) as response:
+        assert response.status_code == 200
+        events = [line async for line in response.aiter_lines() if line.startswith('data: ')]
+    assert events[-1] == 'data: [DONE]'
+    assert 'failed mid-stream' in json.loads(events[-2][len('data: '):])['error']['message']
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0

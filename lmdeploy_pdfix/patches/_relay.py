@@ -303,11 +303,22 @@ class _DecodeStream(StreamingResponse):
     def __init__(self, relay: _Relay, session: aiohttp.ClientSession, response: aiohttp.ClientResponse,
                  settle: Callable[[bool], Any]) -> None:
         self._session, self._response, self._settle = session, response, settle
+        self._d_url = relay.d_url
         self._migrated = False
         self._settled = False
         super().__init__(self._events(), media_type='text/event-stream')
 
     async def _events(self) -> AsyncIterator[bytes]:
+        try:
+            async for event in self._decode_events():
+                yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # The Decode died mid-stream: end the client's stream with an error event, as LMDeploy's own do.
+            error = {'message': f'Decode node {self._d_url} failed mid-stream: {exc!r}', 'type': 'server_error',
+                     'code': HTTPStatus.BAD_GATEWAY.value}
+            yield f'data: {json.dumps({"error": error})}\n\ndata: [DONE]\n\n'.encode()
+
+    async def _decode_events(self) -> AsyncIterator[bytes]:
         async for line in self._response.content:
             line = line.strip()
             # The Decode streams tokens only once it copied the cache and freed the Prefill session.

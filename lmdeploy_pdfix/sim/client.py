@@ -83,7 +83,7 @@ def request(proxy_url: str, kind: str, prompt: str, max_tokens: int = 8, timeout
             status = response.status
     except urllib.error.HTTPError as exc:
         return Result(kind, exc.code, '', expected, time.monotonic() - began, exc.read()[:300].decode(errors='replace'))
-    except (OSError, ValueError) as exc:  # timeouts and refused connections: no answer
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # timeouts, refusals, cut-off answers
         return Result(kind, 0, '', expected, time.monotonic() - began, repr(exc))
     try:
         text, error = _text_of(kind, raw)

@@ -1,0 +1,156 @@
+"""Soak a GPU-free 1P+1D cluster with injected faults; every Prefill must end with nothing retained.
+
+Mixed completions / chat / streaming chat, ``--concurrency`` at a time. A share of the requests is faulty:
+clients that give up before the answer or drop a stream after its first event, and requests the Prefill
+node rejects (``top_p`` out of range). On top, the Decode node is killed and restarted ``--decode-restarts``
+times while traffic runs. At the end the Prefill's preserved sessions and free KV blocks are compared with
+their baseline and the proxy's books (``/distserve/pdfix/audit``) must be closed; node state is sampled
+throughout into a CSV and a PNG plot. ``--stock`` runs LMDeploy as released, for contrast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from lmdeploy_pdfix.sim import client
+from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, http_json
+from lmdeploy_pdfix.soak import Sampler, discover_nodes, percentile, write_samples
+
+FAULTS = ('gives_up', 'drops_stream', 'prefill_rejects')
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument('--requests', type=int, default=10_000)
+    parser.add_argument('--concurrency', type=int, default=4)
+    parser.add_argument('--fault-rate', type=float, default=0.04, help='share of requests made faulty by the client')
+    parser.add_argument('--decode-restarts', type=int, default=2)
+    parser.add_argument('--stock', action='store_true')
+    parser.add_argument('--seed', type=int, default=4967)
+    parser.add_argument('--out', type=Path, default=Path('artifacts/soak-faults'))
+    return parser
+
+
+def plan(requests: int, fault_rate: float, seed: int) -> list[str | None]:
+    """The fault (or None) of each request, reproducibly."""
+    rng = random.Random(seed)
+    return [rng.choice(FAULTS) if rng.random() < fault_rate else None for _ in range(requests)]
+
+
+def send(proxy: str, index: int, fault: str | None) -> tuple[str, int, bool, float]:
+    """(category, HTTP status or 0, answered correctly, latency s) of request ``index``."""
+    kind = client.KINDS[index % len(client.KINDS)]
+    prompt = client.prompt_for(index)
+    if fault == 'gives_up':
+        result = client.request(proxy, 'completions', prompt, max_tokens=64, timeout_s=0.05)
+    elif fault == 'drops_stream':
+        status, _ = client.stream_then_disconnect(proxy, prompt, max_tokens=64, timeout_s=30)
+        return fault, status, False, 0.0
+    elif fault == 'prefill_rejects':
+        result = client.request(proxy, kind, prompt, extra={'top_p': 2.0})
+    else:
+        result = client.request(proxy, kind, prompt)
+    return fault or kind, result.status, result.ok, result.latency_s
+
+
+class DecodeKiller(threading.Thread):
+    """Kills and restarts the Decode node when the load reaches evenly spaced marks."""
+
+    def __init__(self, cluster: Cluster, restarts: int, total: int, progress: list[int]) -> None:
+        super().__init__(name='decode-killer', daemon=True)
+        self.cluster, self.progress = cluster, progress
+        self.marks = [total * (i + 1) // (restarts + 1) for i in range(restarts)]
+        self.downtime_s = 0.0
+
+    def run(self) -> None:
+        decode = self.cluster.decode_urls[0]
+        for mark in self.marks:
+            while self.progress[0] < mark:
+                time.sleep(0.2)
+            began = time.monotonic()
+            self.cluster.stop_node(decode)
+            time.sleep(1.0)  # requests now meet a dead Decode
+            self.cluster.restart_node(decode)
+            self.downtime_s += time.monotonic() - began
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    mode = 'stock' if args.stock else 'patched'
+    config = ClusterConfig(stock=args.stock, log_dir=args.out / mode / 'logs', model_dir=args.out / 'model')
+    with Cluster(config) as cluster:
+        prefill = cluster.prefill_urls[0]
+        baseline = cluster.settled_state(prefill)
+        sampler = Sampler(discover_nodes(cluster.proxy_url), 1.0)
+        progress = [0]
+        killer = DecodeKiller(cluster, args.decode_restarts, args.requests, progress)
+        faults = plan(args.requests, args.fault_rate, args.seed)
+
+        def one(index: int) -> tuple[str, int, bool, float]:
+            outcome = send(cluster.proxy_url, index, faults[index])
+            progress[0] += 1
+            return outcome
+
+        sampler.start()
+        killer.start()
+        began = time.monotonic()
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            outcomes = list(pool.map(one, range(args.requests)))
+        elapsed = time.monotonic() - began
+        killer.join()
+        settled = cluster.settled_state(prefill, timeout_s=60)
+        sampler.stop()
+        audit = _audit(cluster.proxy_url) if not args.stock else None
+    csv_path, png_path = write_samples(sampler.rows, args.out / mode)
+    return _summary(mode, outcomes, elapsed, killer.downtime_s, baseline, settled, audit, csv_path, png_path)
+
+
+def _audit(proxy: str) -> dict[str, Any] | None:
+    try:
+        return http_json('GET', f'{proxy}/distserve/pdfix/audit')
+    except OSError:
+        return None
+
+
+def _summary(mode: str, outcomes: list[tuple[str, int, bool, float]], elapsed: float, downtime_s: float,
+             baseline: dict[str, Any], settled: dict[str, Any], audit: dict[str, Any] | None,
+             csv_path: Path, png_path: Path | None) -> dict[str, Any]:
+    normal = [outcome for outcome in outcomes if outcome[0] in client.KINDS]
+    latencies = [latency * 1000 for _, _, ok, latency in normal if ok]
+    return {
+        'mode': mode,
+        'requests': len(outcomes),
+        'req_per_s': round(len(outcomes) / elapsed, 2),
+        'client_faults': dict(Counter(category for category, *_ in outcomes if category in FAULTS)),
+        'decode_downtime_s': round(downtime_s, 1),
+        'normal_ok': f'{sum(ok for *_, ok, _ in normal)}/{len(normal)}',
+        'normal_failed_by_status': dict(Counter(status for _, status, ok, _ in normal if not ok)),
+        'wrong_text_200': sum(status == 200 and not ok for _, status, ok, _ in normal),
+        'p50_ms': round(percentile(latencies, 50), 1),
+        'p99_ms': round(percentile(latencies, 99), 1),
+        'prefill_sessions_before_after': (baseline['sessions'], settled['sessions']),
+        'prefill_free_blocks_before_after': (baseline['free_blocks'], settled['free_blocks']),
+        'proxy_books': audit,
+        'samples': str(csv_path),
+        'plot': str(png_path),
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    summary = run(args)
+    print(json.dumps(summary, indent=2))
+    sessions_before, sessions_after = summary['prefill_sessions_before_after']
+    return 0 if args.stock or sessions_after == sessions_before else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))
