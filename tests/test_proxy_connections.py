@@ -40,3 +40,17 @@ def test_unshelving_a_session_twice_is_harmless(apply_patch) -> None:
     pool.unshelf_prefill_session(('p', 'd'), 7)
     pool.unshelf_prefill_session(('p', 'd'), 7)
     assert pool.migration_session_shelf[('p', 'd')] == set()
+
+
+@pytest.mark.regression
+def test_dropping_a_link_frees_no_session_that_may_still_be_migrating(apply_patch) -> None:
+    from tests.servers import serving
+    from tests.stand_in_nodes import PrefillBook, prefill_app
+
+    conn = apply_patch('proxy_connections')
+    prefill = PrefillBook(retained={7})
+    with serving(prefill_app(prefill)) as p_url:
+        pool = conn.PDConnectionPool()
+        pool.shelf_prefill_session((p_url, 'http://127.0.0.1:1'), 7)
+        pool.drop((p_url, 'http://127.0.0.1:1'))  # a Decode re-registering on the same URL
+    assert prefill.retained == {7} and prefill.freed == []

@@ -71,6 +71,10 @@ async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause,
     return False
 
 
+class NodeGoneError(aiohttp.ClientConnectionError):
+    """The node chosen for this request left the proxy's node list before it was called."""
+
+
 @dataclass
 class _Relay:
     """One DistServe request on its way through a Prefill node and a Decode node."""
@@ -91,6 +95,8 @@ class _Relay:
 
     async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
         """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+        if url not in self.nodes.nodes:  # removed (heartbeat, re-registration) since it was chosen
+            raise NodeGoneError(f'{url} is no longer registered with the proxy')
         start = self.nodes.pre_call(url)
         try:
             async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
@@ -397,7 +403,9 @@ async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
             if raw_request is not None and await raw_request.is_disconnected():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                    answer = await task
+                    if isinstance(answer, _DecodeStream):  # it finished just before the cancel: nobody reads it
+                        await answer.settle()
                 return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
     finally:
         task.cancel()  # a no-op once it is done; stops it if this handler itself is cancelled
@@ -410,6 +418,10 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
         # The client left: release what this request retained; closing our connections aborts the Decode.
         await asyncio.shield(relay.release('client disconnected'))
         raise
+    except Exception as exc:  # whatever went wrong in here, the retained cache must not outlive the request
+        lmdeploy_logger().exception('lmdeploy-pdfix: DistServe relay failed')
+        await relay.release(f'proxy error {exc!r}')
+        return relay.error(HTTPStatus.INTERNAL_SERVER_ERROR, f'The proxy failed to relay the request: {exc!r}')
 
 
 async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:

@@ -7,6 +7,9 @@ finished request into HTTP 500.
 ``PDConnectionPool.connect`` waits for an event that nobody sets when the link turns Connected between its
 ``is_connected()`` check and the connection worker taking the request: that request hangs forever. The
 wrapper also watches the link itself, and gives up after ``LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S``.
+
+``PDConnectionPool.drop`` (a Decode removed or re-registering) frees every session shelved on the link, some
+of which may still be migrating (D14); it no longer frees them: their relays and the proxy's gc do.
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ def _watching_the_link(original):
     return connect
 
 
+def _dropping_without_freeing_in_flight(original):
+    def drop(self, pd_key):
+        # LMDeploy frees every session shelved on the link (D14), though a restarted Decode on the same URL may
+        # still be migrating them: freed blocks get reused and the Decode answers 200 with wrong text. Each
+        # request's own relay releases its cache when its Decode fails, and gc collects what it cannot.
+        shelved = self.migration_session_shelf.pop(pd_key, None)
+        try:
+            original(self, pd_key)
+        finally:
+            if shelved:
+                self.migration_session_shelf[pd_key] |= shelved
+
+    return drop
+
+
 class ProxyConnectionsPatch(Patch):
     name = 'proxy_connections'
     target = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
@@ -63,15 +81,18 @@ class ProxyConnectionsPatch(Patch):
             signature_problem(pool, 'unshelf_prefill_session', ['self', 'conn_key', 'session_id']),
             signature_problem(pool, 'connect', ['self', 'conn_req']),
             signature_problem(pool, 'is_connected', ['self', 'p_url', 'd_url']),
+            signature_problem(pool, 'drop', ['self', 'pd_key']),
         )
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.PDConnectionPool, 'unshelf_prefill_session', _tolerating_absent_session)
         install_wrapper(module.PDConnectionPool, 'connect', _watching_the_link)
+        install_wrapper(module.PDConnectionPool, 'drop', _dropping_without_freeing_in_flight)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.PDConnectionPool, 'unshelf_prefill_session')
         remove_wrapper(module.PDConnectionPool, 'connect')
+        remove_wrapper(module.PDConnectionPool, 'drop')
 
 
 PATCH = ProxyConnectionsPatch()
