@@ -56,7 +56,7 @@ def _watching_the_link(original):
 def _dropping_without_freeing_in_flight(original):
     def drop(self, pd_key):
         # LMDeploy frees every session shelved on the link (D14), though a restarted Decode on the same URL may
-        # still be migrating them: freed blocks get reused and the Decode answers 200 with wrong text. Each
+        # still be migrating them: freed blocks can be reused while it copies them. Each
         # request's own relay releases its cache when its Decode fails, and gc collects what it cannot.
         shelved = self.migration_session_shelf.pop(pd_key, None)
         try:
