@@ -74,12 +74,14 @@ class DecodeKiller(threading.Thread):
         self.cluster, self.progress = cluster, progress
         self.marks = [total * (i + 1) // (restarts + 1) for i in range(restarts)]
         self.downtime_s = 0.0
+        self.stopped = threading.Event()  # set when the load ends early: never restart a node after that
 
     def run(self) -> None:
         decode = self.cluster.decode_urls[0]
         for mark in self.marks:
             while self.progress[0] < mark:
-                time.sleep(0.2)
+                if self.stopped.wait(0.2):
+                    return
             began = time.monotonic()
             self.cluster.stop_node(decode)
             time.sleep(1.0)  # requests now meet a dead Decode
@@ -106,10 +108,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler.start()
         killer.start()
         began = time.monotonic()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            outcomes = list(pool.map(one, range(args.requests)))
+        try:
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                outcomes = list(pool.map(one, range(args.requests)))
+        finally:
+            killer.stopped.set()
+            killer.join()  # before the cluster stops, so no node is restarted behind its back
         elapsed = time.monotonic() - began
-        killer.join()
         settled = cluster.settled_state(prefill, timeout_s=60)
         sampler.stop()
         audit = _audit(cluster.proxy_url) if not args.stock else None
