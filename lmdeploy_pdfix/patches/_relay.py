@@ -93,11 +93,15 @@ class _Relay:
     def error(self, status: HTTPStatus | int, message: str) -> JSONResponse:
         return self.proxy.create_error_response(status, message)
 
-    async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
-        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+    def begin_call(self, url: str) -> float:
+        """Count a call to ``url`` in the proxy's books (``pre_call``); pair it with ``nodes.post_call``."""
         if url not in self.nodes.nodes:  # removed (heartbeat, re-registration) since it was chosen
             raise NodeGoneError(f'{url} is no longer registered with the proxy')
-        start = self.nodes.pre_call(url)
+        return self.nodes.pre_call(url)
+
+    async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
+        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+        start = self.begin_call(url)
         try:
             async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
                     session.post(url + self.path, json=payload) as response:
@@ -166,8 +170,7 @@ def _node_url(nodes, model: str, role) -> str | None:
 
 
 def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
-    prefill = json.loads(json.dumps(request_dict))
-    prefill.update(max_tokens=1, stream=False, with_cache=True, preserve_cache=True)
+    prefill = {**request_dict, 'max_tokens': 1, 'stream': False, 'with_cache': True, 'preserve_cache': True}
     if 'max_completion_tokens' in prefill:
         prefill['max_completion_tokens'] = 1
     return prefill
@@ -352,7 +355,11 @@ class _DecodeStream(StreamingResponse):
 
 
 async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> StreamingResponse | JSONResponse:
-    start = relay.nodes.pre_call(relay.d_url)
+    try:
+        start = relay.begin_call(relay.d_url)
+    except NodeGoneError as exc:
+        await relay.release('Decode gone')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
     session = aiohttp.ClientSession(timeout=relay.nodes.aiotimeout)
 
     async def settle(migrated: bool) -> None:

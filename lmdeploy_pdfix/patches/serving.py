@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import importlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -43,6 +43,7 @@ ENDPOINT_MODULES = {
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
 
+
 @dataclass
 class _RequestTrace:
     """What one endpoint call created and generated, seen from LMDeploy's own calls."""
@@ -52,10 +53,11 @@ class _RequestTrace:
     generated_tokens: int = 0
     finish_reason: str | None = None
 
-    def observe(self, output: Any) -> None:
+    def observe(self, output: Any) -> Any:
         self.input_tokens = output.input_token_len
         self.generated_tokens += len(output.token_ids or ())
         self.finish_reason = output.finish_reason or self.finish_reason
+        return output
 
 
 _trace: contextvars.ContextVar[_RequestTrace | None] = contextvars.ContextVar('lmdeploy_pdfix_trace', default=None)
@@ -76,18 +78,20 @@ def _observing_outputs(original):
     def generate(self, *args, **kwargs):
         outputs = original(self, *args, **kwargs)
         trace = _trace.get()
-        return outputs if trace is None else _observed(outputs, trace)
+        return outputs if trace is None else _each(outputs, trace.observe)
 
     return generate
 
 
-async def _observed(outputs: AsyncIterator[Any], trace: _RequestTrace) -> AsyncIterator[Any]:
+async def _each(items: AsyncIterator[Any], transform: Callable[[Any], Any]) -> AsyncIterator[Any]:
+    """``items`` through ``transform``; closing this closes ``items`` too (LMDeploy's cleanup relies on it)."""
     try:
-        async for output in outputs:
-            trace.observe(output)
-            yield output
+        async for item in items:
+            yield transform(item)
     finally:
-        await outputs.aclose()  # LMDeploy's cleanup closes this wrapper; the engine generator must close too
+        close = getattr(items, 'aclose', None)
+        if close is not None:
+            await close()
 
 
 def _reporting_owner(path: str, server_context):
@@ -137,18 +141,8 @@ def _response_with_owner(response: Any, owner: int | None) -> Any:
     if isinstance(response, dict):
         return with_owner(response, owner)
     if isinstance(response, StreamingResponse):
-        response.body_iterator = _stream_with_owner(response.body_iterator, owner)
+        response.body_iterator = _each(response.body_iterator, lambda chunk: sse_chunk_with_owner(chunk, owner))
     return response
-
-
-async def _stream_with_owner(chunks: AsyncIterator[Any], owner: int) -> AsyncIterator[Any]:
-    try:
-        async for chunk in chunks:
-            yield sse_chunk_with_owner(chunk, owner)
-    finally:
-        close = getattr(chunks, 'aclose', None)
-        if close is not None:
-            await close()
 
 
 def _announcing_capabilities(original):
