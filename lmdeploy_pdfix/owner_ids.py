@@ -9,6 +9,7 @@ completions it is the caller's ``session_id`` (``-1`` by default).
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,25 @@ CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
 
 FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
             'and upgrade the proxy and every Prefill node together.')
+
+
+# An owner id is ``incarnation << 32 | n``: each api_server process numbers its sessions from a fresh random
+# base, so an id from before a node restart can never name a session of the restarted node (D14), and the
+# node that consumes an id can tell a stale one from an unknown one.
+INCARNATION_SHIFT = 32
+_INCARNATIONS = 2**30  # keeps every owner id below 2**62
+
+
+def new_incarnation() -> int:
+    return 1 + secrets.randbelow(_INCARNATIONS - 1)
+
+
+def first_session_id(incarnation: int) -> int:
+    return incarnation << INCARNATION_SHIFT
+
+
+def incarnation_of(owner: int) -> int:
+    return owner >> INCARNATION_SHIFT
 
 
 class PrefillAnswerError(ValueError):

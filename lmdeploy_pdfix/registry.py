@@ -48,6 +48,30 @@ PATCHES: tuple[PatchSpec, ...] = (
         target='lmdeploy.pytorch.engine.inputs_maker',
         summary='Prefill role advances the long-context chunk position, so long prompts finish',
     ),
+    PatchSpec(
+        name='engine_sessions',
+        module='lmdeploy_pdfix.patches.engine',
+        target='lmdeploy.pytorch.engine.engine',
+        summary='Preserved Prefill caches: cancel-safe, never evicted, released only as themselves, reclaimed after a TTL',
+    ),
+    PatchSpec(
+        name='migration_faults',
+        module='lmdeploy_pdfix.patches.engine_loop',
+        target='lmdeploy.pytorch.engine.engine_loop',
+        summary='A failing or hanging migration fails its own request; the Decode engine keeps serving',
+    ),
+    PatchSpec(
+        name='engine_connections',
+        module='lmdeploy_pdfix.patches.engine_conn',
+        target='lmdeploy.pytorch.disagg.conn.engine_conn',
+        summary='ZMQ frees release only preserved caches; sends cannot block forever; re-linking closes the old link',
+    ),
+    PatchSpec(
+        name='ray_workers_env',
+        module='lmdeploy_pdfix.patches.ray_executor',
+        target='lmdeploy.pytorch.engine.executor.ray_executor',
+        summary='Ray workers inherit the lmdeploy-pdfix switches, so the engine patches run there too',
+    ),
 )
 
 BY_NAME: dict[str, PatchSpec] = {spec.name: spec for spec in PATCHES}

@@ -1,0 +1,174 @@
+"""A node's book of preserved Prefill caches, kept where the scheduler lives (the engine process).
+
+A Prefill session whose request asked to preserve its cache stays in the scheduler after its answer until a
+Decode node migrates it (and frees it over ZMQ), the proxy frees it (``/distserve/free_cache``), or nobody
+does and the orphan TTL reclaims it. The book knows which sessions those are, gives every free and every
+claim a definitive answer, and counts each outcome for the node audit. No patching here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmdeploy_pdfix.owner_ids import incarnation_of
+
+DEFAULT_ORPHAN_TTL_S = 600.0  # above the 300-480 s peers use, so a merely queued migration is never cut
+_REMEMBERED_RECLAIMS = 4096
+_AGE_BUCKETS_S = (10.0, 60.0, 300.0)
+
+
+class Verdict(str, enum.Enum):
+    RELEASED = 'released'
+    CLAIMED = 'claimed'
+    NOT_FOUND = 'not_found'
+    RECLAIMED = 'reclaimed'  # the orphan TTL released it; a late Decode must not read its blocks
+    REFUSED = 'refused'
+
+
+class ReleaseCause(str, enum.Enum):
+    MIGRATED = 'migrated'  # the Decode node copied it and freed it over ZMQ
+    FREED = 'freed'  # /distserve/free_cache (the proxy compensating a failure)
+    RECLAIMED = 'reclaimed'  # nobody migrated or freed it within the orphan TTL
+    CANCELLED = 'cancelled'  # its request was aborted before the cache was handed out
+
+
+@dataclass(frozen=True)
+class Answer:
+    verdict: Verdict
+    detail: str = ''
+    counted_as: str = ''  # how the audit counts a free that released nothing
+
+    def as_dict(self) -> dict[str, str]:
+        return {'status': self.verdict.value, 'detail': self.detail}
+
+
+@dataclass
+class PreservedCache:
+    owner: int
+    block_ids: tuple[int, ...]
+    preserved_at: float
+    touched_at: float  # preservation or the latest claim: the orphan TTL counts from here
+
+
+class PreservedBook:
+
+    def __init__(self, orphan_ttl_s: float = DEFAULT_ORPHAN_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.orphan_ttl_s = orphan_ttl_s
+        self._clock = clock
+        self._caches: dict[int, PreservedCache] = {}
+        self._reclaimed: OrderedDict[int, None] = OrderedDict()
+        self.incarnation: int | None = None  # learnt from the first owner this node preserves
+        self.releases: Counter[str] = Counter()
+        self.frees: Counter[str] = Counter()
+        self.claims: Counter[str] = Counter()
+        self.migration_failures: Counter[str] = Counter()
+
+    def preserve(self, owner: int, block_ids: Sequence[int]) -> None:
+        now = self._clock()
+        if self.incarnation is None:
+            self.incarnation = incarnation_of(owner)
+        self._caches[owner] = PreservedCache(owner, tuple(block_ids), preserved_at=now, touched_at=now)
+
+    def is_preserved(self, owner: int) -> bool:
+        return owner in self._caches
+
+    def cancelled(self) -> None:
+        """Count a preserved request ended before its cache was handed out."""
+        self.releases[ReleaseCause.CANCELLED.value] += 1
+
+    def release(self, owner: int, cause: ReleaseCause, *, session_exists: bool) -> Answer:
+        """Whether ``owner``'s session may be ended for ``cause``: only RELEASED allows it."""
+        answer = self._judge_release(owner, session_exists)
+        if answer.verdict is Verdict.RELEASED:
+            del self._caches[owner]
+            self.releases[cause.value] += 1
+            if cause is ReleaseCause.RECLAIMED:
+                self._remember_reclaim(owner)
+        else:
+            self.frees[answer.counted_as or answer.verdict.value] += 1
+        return answer
+
+    def claim(self, owner: int, block_ids: Sequence[int]) -> Answer:
+        """A Decode node's check, before it migrates, that ``owner`` still holds exactly ``block_ids``."""
+        answer = self._judge_claim(owner, tuple(block_ids))
+        self.claims[answer.verdict.value] += 1
+        return answer
+
+    def expired(self) -> list[int]:
+        """Owners nobody migrated, freed or claimed within the orphan TTL."""
+        deadline = self._clock() - self.orphan_ttl_s
+        return [cache.owner for cache in self._caches.values() if cache.touched_at < deadline]
+
+    def migration_failed(self, reason: str) -> None:
+        self.migration_failures[reason] += 1
+
+    def audit(self) -> dict[str, Any]:
+        now = self._clock()
+        ages = [now - cache.preserved_at for cache in self._caches.values()]
+        return {
+            'preserved': len(ages),
+            'preserved_by_age_s': _by_age(ages),
+            'oldest_age_s': round(max(ages, default=0.0), 3),
+            'orphan_ttl_s': self.orphan_ttl_s,
+            'releases': dict(self.releases),
+            'frees_not_released': dict(self.frees),
+            'claims': dict(self.claims),
+            'migration_failures': dict(self.migration_failures),
+        }
+
+    def _judge_release(self, owner: int, session_exists: bool) -> Answer:
+        if owner in self._caches:
+            return Answer(Verdict.RELEASED, f'preserved cache {owner} released')
+        stale = self._stale(owner)
+        if stale is not None:
+            return stale
+        if session_exists:
+            return Answer(Verdict.REFUSED, f'session {owner} is not a preserved cache (it is still running or '
+                                           'never asked to preserve its cache); nothing released',
+                          counted_as='not_preserved')
+        if owner in self._reclaimed:
+            return Answer(Verdict.NOT_FOUND, f'preserved cache {owner} was already reclaimed after the orphan TTL',
+                          counted_as='already_reclaimed')
+        return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node', counted_as='unknown')
+
+    def _judge_claim(self, owner: int, block_ids: tuple[int, ...]) -> Answer:
+        cache = self._caches.get(owner)
+        if cache is not None:
+            if cache.block_ids != block_ids:
+                return Answer(Verdict.REFUSED, f'block ids {list(block_ids)} are not those of preserved cache '
+                                               f'{owner} ({list(cache.block_ids)})')
+            cache.touched_at = self._clock()
+            return Answer(Verdict.CLAIMED, f'preserved cache {owner} confirmed')
+        stale = self._stale(owner)
+        if stale is not None:
+            return stale
+        if owner in self._reclaimed:
+            return Answer(Verdict.RECLAIMED, f'preserved cache {owner} was reclaimed after the orphan TTL '
+                                             f'({self.orphan_ttl_s:g} s); its blocks may hold other data now')
+        return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node')
+
+    def _stale(self, owner: int) -> Answer | None:
+        if self.incarnation is None or incarnation_of(owner) == self.incarnation:
+            return None
+        return Answer(Verdict.REFUSED, f'owner {owner} belongs to an earlier incarnation of this node (it was '
+                                       'restarted since); nothing released', counted_as='stale')
+
+    def _remember_reclaim(self, owner: int) -> None:
+        self._reclaimed[owner] = None
+        while len(self._reclaimed) > _REMEMBERED_RECLAIMS:
+            self._reclaimed.popitem(last=False)
+
+
+def _by_age(ages: list[float]) -> dict[str, int]:
+    labels = [f'<{int(bound)}' for bound in _AGE_BUCKETS_S] + [f'>={int(_AGE_BUCKETS_S[-1])}']
+    counts = dict.fromkeys(labels, 0)
+    for age in ages:
+        index = next((i for i, bound in enumerate(_AGE_BUCKETS_S) if age < bound), len(_AGE_BUCKETS_S))
+        counts[labels[index]] += 1
+    return counts
