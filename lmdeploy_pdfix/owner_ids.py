@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,12 @@ PREFILL_FINISHED_FIELD = 'prefill_finished'
 
 # A node that names cache owners says so here; the proxy asks before it routes DistServe traffic to it.
 CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
+# A Decode node confirms with the Prefill node that an owner still holds its blocks before it migrates them.
+CLAIM_PATH = '/distserve/pdfix/claim'
+# The books of the proxy and of each node.
+AUDIT_PATH = '/distserve/pdfix/audit'
+# A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
+DUMMY_PREFILL_FIELD = 'dummy_prefill'
 
 FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
             'and upgrade the proxy and every Prefill node together.')
@@ -100,12 +106,17 @@ def sse_chunk_with_owner(chunk: str | bytes, owner: int | None) -> str | bytes:
     text = chunk.decode() if isinstance(chunk, bytes) else chunk
     if owner is None or '"cache_block_ids"' not in text:
         return chunk
-    events = [_event_with_owner(event, owner) for event in text.split('\n\n')]
-    rewritten = '\n\n'.join(events)
+    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner))
+
+
+def sse_chunk_rewritten(chunk: str | bytes, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str | bytes:
+    """A stream chunk with every ``data: {...}`` event passed through ``rewrite``; other events unchanged."""
+    text = chunk.decode() if isinstance(chunk, bytes) else chunk
+    rewritten = '\n\n'.join(_event_rewritten(event, rewrite) for event in text.split('\n\n'))
     return rewritten.encode() if isinstance(chunk, bytes) else rewritten
 
 
-def _event_with_owner(event: str, owner: int) -> str:
+def _event_rewritten(event: str, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
     prefix = 'data: '
     if not event.startswith(prefix):
         return event
@@ -115,7 +126,7 @@ def _event_with_owner(event: str, owner: int) -> str:
         return event
     if not isinstance(payload, dict):
         return event
-    return prefix + json.dumps(with_owner(payload, owner))
+    return prefix + json.dumps(rewrite(payload))
 
 
 def parse_prefill_answer(body: Any) -> PrefillAnswer:
@@ -136,6 +147,17 @@ def parse_prefill_answer(body: Any) -> PrefillAnswer:
     if not _is_int_list(token_ids) or not token_ids:
         raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
     return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1])
+
+
+def migration_request_problem(owner: Any, block_ids: Any) -> str | None:
+    """Why a migration of ``block_ids`` owned by ``owner`` cannot be right, or None."""
+    if not is_owner_id(owner):
+        return f'remote_session_id {owner!r} is not a cache owner (a non-negative integer)'
+    if not _is_int_list(block_ids) or not block_ids:
+        return f'remote_block_ids {block_ids!r} is not a non-empty list of block ids'
+    if len(set(block_ids)) != len(block_ids):
+        return f'remote_block_ids {block_ids!r} names a block twice'
+    return None
 
 
 def _is_int_list(value: Any) -> bool:

@@ -52,7 +52,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         name='engine_sessions',
         module='lmdeploy_pdfix.patches.engine',
         target='lmdeploy.pytorch.engine.engine',
-        summary='Preserved Prefill caches: cancel-safe, never evicted, released only as themselves, reclaimed after a TTL',
+        summary='Preserved Prefill caches: cancel-safe, never evicted, released only as themselves, reclaimed by TTL',
     ),
     PatchSpec(
         name='migration_faults',

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.ledger import OwnerLedger, OwnerRecord, ReleaseCause
+from lmdeploy_pdfix.owner_ids import AUDIT_PATH
 from lmdeploy_pdfix.patches._relay import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -30,7 +31,6 @@ from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
 GC_PATH = '/distserve/gc'
-AUDIT_PATH = '/distserve/pdfix/audit'
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
 GC_AGE_S = float(os.environ.get('LMDEPLOY_PDFIX_GC_AGE_S', '600'))
 

@@ -8,12 +8,19 @@ chunk that carries ``cache_block_ids``. Public ids are unchanged. A request whos
 token (D8) gets a finished answer marked ``prefill_finished`` and its preserved session ended, instead of a
 500 that keeps the session. The node also answers
 ``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
+
+Owners cannot go stale (D14): each session manager numbers its sessions from a fresh incarnation base
+(:mod:`lmdeploy_pdfix.owner_ids`), so an id from before a restart never names a session of the restarted
+node. The DistServe routes (truthful ``/distserve/free_cache``, claims, the node audit) and the Decode
+node's checks of ``migration_request`` are in :mod:`lmdeploy_pdfix.patches._node_routes`. A Decode answer
+decoded from a dummy prefill is marked ``dummy_prefill`` (D19).
 """
 
 from __future__ import annotations
 
 import contextvars
 import importlib
+import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -25,11 +32,23 @@ from fastapi.responses import StreamingResponse
 from lmdeploy_pdfix import __version__
 from lmdeploy_pdfix.owner_ids import (
     CAPABILITIES_PATH,
+    DUMMY_PREFILL_FIELD,
     PREFILL_FINISHED_FIELD,
     finished_without_tokens,
+    first_session_id,
+    new_incarnation,
     single_owner,
+    sse_chunk_rewritten,
     sse_chunk_with_owner,
     with_owner,
+)
+from lmdeploy_pdfix.patches._node_routes import (
+    FREE_PATH,
+    add_node_routes,
+    forget_link,
+    free_cache_endpoint,
+    record_link,
+    refused_migration,
 )
 from lmdeploy_pdfix.patches._routes import swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
@@ -42,6 +61,8 @@ ENDPOINT_MODULES = {
 }
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
+SESSION_MANAGER_MODULE = 'lmdeploy.serve.managers.session_manager'
+ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
 
 
 @dataclass
@@ -94,9 +115,35 @@ async def _each(items: AsyncIterator[Any], transform: Callable[[Any], Any]) -> A
             await close()
 
 
+def _numbering_from_incarnation(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.session_id_generator = itertools.count(first_session_id(new_incarnation()))
+
+    return __init__
+
+
+def _recording(original, record):
+    def p2p_call(self, request):
+        result = original(self, request)
+        record(request)
+        return result
+
+    return p2p_call
+
+
 def _reporting_owner(path: str, server_context):
+    error_response = importlib.import_module(ERRORS_MODULE).create_error_response
+
     def make_endpoint(endpoint):
         async def endpoint_reporting_owner(*args, **kwargs):
+            raw_request = kwargs.get('raw_request')
+            if raw_request is not None:
+                refusal = await refused_migration(raw_request, error_response)
+                if refusal is not None:
+                    return refusal
+                if await _is_dummy_prefill(raw_request):
+                    return _marked_dummy(await endpoint(*args, **kwargs))
             trace = _RequestTrace()
             token = _trace.set(trace)
             try:
@@ -116,6 +163,25 @@ def _reporting_owner(path: str, server_context):
         return endpoint_reporting_owner
 
     return make_endpoint
+
+
+async def _is_dummy_prefill(raw_request: Any) -> bool:
+    migration = (await raw_request.json()).get('migration_request')
+    return isinstance(migration, dict) and migration.get('is_dummy_prefill') is True
+
+
+def _marked_dummy(response: Any) -> Any:
+    """D19: no KV was migrated, so the text was decoded from uninitialised blocks; say so."""
+    if isinstance(response, dict):
+        return {**response, DUMMY_PREFILL_FIELD: True}
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _each(response.body_iterator,
+                                       lambda chunk: sse_chunk_rewritten(chunk, _with_dummy_mark))
+    return response
+
+
+def _with_dummy_mark(event: dict[str, Any]) -> dict[str, Any]:
+    return {**event, DUMMY_PREFILL_FIELD: True}
 
 
 def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str, Any]:
@@ -145,13 +211,15 @@ def _response_with_owner(response: Any, owner: int | None) -> Any:
     return response
 
 
-def _announcing_capabilities(original):
+def _adding_distserve_routes(original):
     def register(router, server_context):
         original(router, server_context)
+        swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
+        add_node_routes(router, server_context)
 
         @router.get(CAPABILITIES_PATH)
         async def pdfix_capabilities():
-            return {'cache_owner': True, 'lmdeploy_pdfix': __version__}
+            return {'cache_owner': True, 'truthful_free': True, 'claims': True, 'lmdeploy_pdfix': __version__}
 
     return register
 
@@ -178,22 +246,36 @@ class ServingCacheOwnerPatch(Patch):
         registers = [signature_problem(importlib.import_module(name), 'register', ['router', 'server_context'])
                      for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE)]
         engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
-        if engine is None:
-            return 'AsyncEngine is missing'
+        manager = getattr(importlib.import_module(SESSION_MANAGER_MODULE), 'SessionManager', None)
+        if engine is None or manager is None:
+            return 'AsyncEngine or SessionManager is missing'
+        if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
+            return 'create_error_response is missing'
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
                              signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
-                             signature_problem(engine, 'free_cache', ['self', 'session_id']), *registers)
+                             signature_problem(engine, 'free_cache', ['self', 'session_id']),
+                             signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
+                             signature_problem(engine, 'p2p_drop_connect', ['self', 'drop_conn_request']),
+                             signature_problem(manager, '__init__', ['self']), *registers)
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
-        install_wrapper(importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine, 'generate', _observing_outputs)
+        engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
+        install_wrapper(engine, 'generate', _observing_outputs)
+        install_wrapper(engine, 'p2p_initialize', lambda original: _recording(original, record_link))
+        install_wrapper(engine, 'p2p_drop_connect', lambda original: _recording(original, forget_link))
+        install_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__',
+                        _numbering_from_incarnation)
         for name, path in ENDPOINT_MODULES.items():
             install_wrapper(importlib.import_module(name), 'register', _registering_owner_routes(path))
-        install_wrapper(importlib.import_module(DISTSERVE_MODULE), 'register', _announcing_capabilities)
+        install_wrapper(importlib.import_module(DISTSERVE_MODULE), 'register', _adding_distserve_routes)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.ServerContext, 'create_session')
-        remove_wrapper(importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine, 'generate')
+        engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
+        for attribute in ('generate', 'p2p_initialize', 'p2p_drop_connect'):
+            remove_wrapper(engine, attribute)
+        remove_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__')
         for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
             remove_wrapper(importlib.import_module(name), 'register')
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim import model
+from lmdeploy_pdfix.sim import faults, model
 
 HOST = '127.0.0.1'
 MODEL_NAME = 'pdfix-sim'
@@ -43,6 +43,7 @@ class ClusterConfig:
     python: str = sys.executable
     startup_timeout_s: float = 240.0
     warmup: bool = True  # connect every P/D pair up front, so the first requests do not race the link-up
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of every node, e.g. a short orphan TTL
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Cluster:
         log = self.config.log_dir / f'{name}.log'
         state_file = None if role == 'Proxy' else str((self.config.log_dir / f'{name}.state.json').resolve())
         env = self._env(role, state_file)
+        env[faults.FAULTS_ENV] = str(self._faults_dir(name))
         with open(log, 'ab' if restart else 'wb') as out:  # a restart appends to the node's log
             # Own session = own process group, so stop() reaches the spawned engine child too.
             popen = subprocess.Popen([self.config.python, '-m', 'lmdeploy', *args], stdout=out,
@@ -146,6 +148,7 @@ class Cluster:
             env.pop(var, None)
         if not (self.config.stock or role in self.config.stock_roles):
             env['LMDEPLOY_PDFIX'] = '1'
+        env.update(self.config.env)
         if state_file:
             env['LMDEPLOY_PDFIX_SIM_STATE'] = state_file
         if role == 'Decode' and self.config.drop_kv_on_decode:
@@ -191,6 +194,13 @@ class Cluster:
         wait_http_ok(f'{proc.url}/health', deadline, proc.pid)
         self._wait_registered(deadline)
         return proc
+
+    def _faults_dir(self, name: str) -> Path:
+        return (self.config.log_dir / 'faults' / name).resolve()
+
+    def arm_fault(self, url: str, fault: str, content: str = '') -> None:
+        """Arm a one-shot fault (see :mod:`lmdeploy_pdfix.sim.faults`) in the node serving ``url``."""
+        faults.arm(self._faults_dir(self.process(url).name), fault, content)
 
     def node_state(self, url: str) -> dict[str, Any]:
         return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5)

@@ -7,9 +7,11 @@ sampling parameters.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from lmdeploy_pdfix.sim import model, state
+from lmdeploy_pdfix.sim import faults, model, state
 
 _LOGIT = 1e4
 _MASK32 = (1 << 32) - 1
@@ -84,7 +86,10 @@ def run(inputs, cache_engine, hidden_size: int) -> dict:
     hidden = torch.zeros((1, input_ids.numel(), hidden_size), dtype=torch.float32)
     if inputs.is_dummy:
         return {'hidden_states': hidden}
-    state.count(f'forwards_{_kind(inputs)}')
+    kind = _kind(inputs)
+    state.count(f'forwards_{kind}')
+    if kind == 'prefill':
+        time.sleep(float(faults.take(faults.SLOW_PREFILL) or 0))  # blocks the engine, as a busy GPU would
     caches = cache_engine.gpu_cache
     k_caches = (caches[0][0], caches[-1][0])
     start = 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from lmdeploy_pdfix.sim import forward, state
+from lmdeploy_pdfix.sim import faults, forward, state
 
 _FAKE_FREE_MEM = 8 << 30
 _LOOPBACK = '127.0.0.1'
@@ -194,6 +194,8 @@ def substitute_mooncake(mooncake: ModuleType) -> None:
     @functools.wraps(original_migrate)
     def _migrate(self, assignment) -> None:
         nbytes = sum(task.length for task in assignment.batch)
+        if faults.take(faults.MIGRATE_ERROR) is not None:
+            raise faults.InjectedFault('injected KV transfer failure')
         if os.environ.get(DROP_KV_ENV) == '1':
             # Negative control: the Decode never receives the Prefill's KV, the answer must not match.
             state.count('migrations_dropped')

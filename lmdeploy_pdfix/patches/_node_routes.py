@@ -1,0 +1,157 @@
+"""The api_server side of a DistServe node: truthful frees, claims, the node audit, migration checks.
+
+The book of preserved caches lives in the engine process; these handlers reach it through the methods the
+``engine_sessions`` patch adds to the engine's RPC worker (or directly, for an in-process engine).
+
+- ``POST /distserve/free_cache`` (D15) releases only a preserved cache of this node and always answers 200
+  with ``status`` ``released``, ``not_found`` or ``refused`` and a ``detail``: each is definitive, so no
+  caller retries it, and unknown ids are counted instead of logged as errors.
+- ``POST /distserve/pdfix/claim`` lets a Decode node confirm, before it migrates, that the owner still holds
+  exactly those blocks; a confirmed cache is safe from the orphan TTL for another TTL.
+- A Decode node checks every ``migration_request`` (D5, #4965) before LMDeploy sees it: well formed, from a
+  Prefill node it is linked to, and confirmed by that node. A failed check is a 4xx naming the problem.
+- ``GET /distserve/pdfix/audit``: preserved caches by age, releases by cause, frees that released nothing,
+  claims, migration failures, and the migration requests this node refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from http import HTTPStatus
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from lmdeploy_pdfix.owner_ids import AUDIT_PATH, CLAIM_PATH, migration_request_problem
+from lmdeploy_pdfix.patching import lmdeploy_logger
+from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
+
+FREE_PATH = '/distserve/free_cache'
+CLAIM_TIMEOUT_S = 10.0
+_CLAIM_STATUS = {
+    Verdict.CLAIMED.value: HTTPStatus.OK,
+    Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
+    Verdict.RECLAIMED.value: HTTPStatus.GONE,
+    Verdict.REFUSED.value: HTTPStatus.CONFLICT,
+}
+
+
+class NodeBooks:
+    """What this api_server process knows besides the engine's book: its links and refused migrations."""
+
+    def __init__(self) -> None:
+        self.linked_prefills: set[str] = set()
+        self.refused_migrations: Counter[str] = Counter()
+
+
+NODE = NodeBooks()
+
+
+async def engine_call(async_engine: Any, method: str, *args: Any) -> Any:
+    """Call one of the engine worker's ``pdfix_*`` methods, across the process boundary when there is one."""
+    engine = async_engine.engine
+    rpc = getattr(engine, '_collective_rpc_async', None)
+    if rpc is not None:
+        return await rpc(method, *args)
+    from lmdeploy_pdfix.patches.engine import WORKER_METHODS
+
+    return WORKER_METHODS[method](SimpleNamespace(engine=engine), *args)
+
+
+def add_node_routes(router: Any, server_context: Any) -> None:
+    """The claim and audit routes; the caller swaps ``/distserve/free_cache`` for :func:`free_cache`."""
+
+    @router.post(CLAIM_PATH)
+    async def pdfix_claim(raw_request: Request) -> JSONResponse:
+        body = await raw_request.json()
+        owner, block_ids = body.get('owner'), body.get('block_ids')
+        problem = migration_request_problem(owner, block_ids)
+        if problem is not None:
+            return JSONResponse({'status': Verdict.REFUSED.value, 'detail': problem}, HTTPStatus.BAD_REQUEST)
+        answer = await engine_call(server_context.async_engine, 'pdfix_claim_preserved', owner, block_ids)
+        return JSONResponse(answer, _CLAIM_STATUS[answer['status']])
+
+    @router.get(AUDIT_PATH)
+    async def pdfix_audit() -> dict[str, Any]:
+        engine = await engine_call(server_context.async_engine, 'pdfix_audit')
+        return {**engine, 'refused_migration_requests': dict(NODE.refused_migrations),
+                'linked_prefills': sorted(NODE.linked_prefills)}
+
+
+def free_cache_endpoint(server_context: Any):
+    def make_endpoint(endpoint):
+        # FastAPI reads the body model from LMDeploy's endpoint: swap_endpoint makes it this one's __wrapped__
+        async def free_cache(cache_free_request) -> JSONResponse:
+            owner = cache_free_request.remote_session_id
+            return JSONResponse(await engine_call(server_context.async_engine, 'pdfix_release_preserved', owner,
+                                                  ReleaseCause.FREED.value))
+
+        return free_cache
+
+    return make_endpoint
+
+
+def record_link(init_request: Any) -> None:
+    NODE.linked_prefills.add(init_request.remote_engine_id)
+
+
+def forget_link(drop_request: Any) -> None:
+    # LMDeploy's route passes one request, its type hint says a list
+    for request in drop_request if isinstance(drop_request, list) else [drop_request]:
+        NODE.linked_prefills.discard(request.remote_engine_id)
+
+
+async def refused_migration(raw_request: Request, error_response) -> JSONResponse | None:
+    """The 4xx answer for a ``migration_request`` this Decode node must not start, or None to go ahead."""
+    migration = (await raw_request.json()).get('migration_request')
+    if not isinstance(migration, dict) or migration.get('is_dummy_prefill'):
+        return None
+    status, problem = await _migration_problem(migration)
+    if problem is None:
+        return None
+    NODE.refused_migrations[HTTPStatus(status).phrase] += 1
+    return error_response(status, f'migration_request refused: {problem}')
+
+
+async def _migration_problem(migration: dict[str, Any]) -> tuple[int, str | None]:
+    owner, block_ids = migration.get('remote_session_id'), migration.get('remote_block_ids')
+    problem = migration_request_problem(owner, block_ids)
+    if problem is not None:
+        return HTTPStatus.BAD_REQUEST, problem
+    prefill = migration.get('remote_engine_id')
+    if prefill not in NODE.linked_prefills:
+        return HTTPStatus.BAD_REQUEST, (f'this Decode node is not linked to Prefill node {prefill!r}; '
+                                        'migration requests come from the proxy after it links the pair')
+    return await _claim(prefill, owner, block_ids)
+
+
+async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, str | None]:
+    try:
+        timeout = aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids}) as response:
+            status = response.status
+            body = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'
+    if status == HTTPStatus.OK:
+        return status, None
+    if not isinstance(body, dict) or 'status' not in body:  # a Prefill node without claims: nothing to confirm
+        _warn_unconfirmed(prefill, status)
+        return status, None
+    return status, f'Prefill node {prefill}: {body.get("detail", body["status"])}'
+
+
+_warned_unconfirmed: set[str] = set()
+
+
+def _warn_unconfirmed(prefill: str, status: int) -> None:
+    if prefill not in _warned_unconfirmed:
+        _warned_unconfirmed.add(prefill)
+        lmdeploy_logger().warning('lmdeploy-pdfix: Prefill node %s cannot confirm caches (HTTP %s on %s); '
+                                  'migrating without confirmation. Enable lmdeploy-pdfix there.',
+                                  prefill, status, CLAIM_PATH)

@@ -1,0 +1,240 @@
+"""Preserved Prefill caches in the engine process: cancel-safe, never evicted, released only as themselves.
+
+LMDeploy keeps a Prefill session whose request asked to preserve its cache: the END_SESSION after the answer
+moves it from TO_BE_MIGRATED to STOPPED. Three defects follow, fixed here:
+
+- D4: an END_SESSION for a preserved request that had not finished (the caller was aborted or went away)
+  calls ``state.finish()``, which WAITING/READY/STOPPED do not implement: NotImplementedError ends the
+  engine loop. Such a request is ended like an ordinary one instead; nobody will ever migrate its cache.
+- D6: the scheduler evicts STOPPED sequences first, so a preserved cache can be freed and its blocks handed
+  to new work while a Decode node still has to copy them (wrong text, HTTP 200). Preserved sequences are
+  taken out of the evictable list; new work waits for blocks instead.
+- D15 and orphans: a free may end only a preserved cache (:func:`release_preserved`), a Decode node can
+  confirm a cache before migrating it (:func:`claim_preserved`), and a cache nobody takes is reclaimed after
+  ``LMDEPLOY_PDFIX_ORPHAN_TTL_S``. The book of preserved caches (:mod:`lmdeploy_pdfix.preserved`) answers
+  and counts all of it; the api_server reaches it through three methods added to the engine's RPC worker.
+
+D9 too: a model whose per-sequence state is not plain KV (linear attention, SSM) cannot be migrated by
+copying KV blocks, so a Prefill or Decode engine refuses it with a clear error instead of answering wrongly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from lmdeploy_pdfix.patches._node_book import book_of
+from lmdeploy_pdfix.patching import (
+    Patch,
+    first_problem,
+    install_wrapper,
+    lmdeploy_logger,
+    remove_wrapper,
+    signature_problem,
+)
+from lmdeploy_pdfix.preserved import Answer, ReleaseCause, Verdict
+
+SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
+WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'
+CONFIG_MODULE = 'lmdeploy.pytorch.config'
+
+_RECLAIM_INTERVAL_CAP_S = 30.0
+
+
+def release_preserved(engine: Any, owner: int, cause: ReleaseCause) -> Answer:
+    """End ``owner``'s session if, and only if, it is a preserved cache of this engine."""
+    answer = book_of(engine).release(owner, cause, session_exists=owner in engine.scheduler.sessions)
+    if answer.verdict is Verdict.RELEASED:
+        engine.end_session(owner)
+    return answer
+
+
+def claim_preserved(engine: Any, owner: int, block_ids: Sequence[int]) -> Answer:
+    return book_of(engine).claim(owner, block_ids)
+
+
+def reclaim_orphans(engine: Any) -> list[int]:
+    """Release every preserved cache nobody migrated, freed or claimed within the orphan TTL."""
+    book = book_of(engine)
+    reclaimed = [owner for owner in book.expired()
+                 if release_preserved(engine, owner, ReleaseCause.RECLAIMED).verdict is Verdict.RELEASED]
+    if reclaimed:
+        lmdeploy_logger().warning('lmdeploy-pdfix: reclaimed %d preserved Prefill cache(s) nobody took within '
+                                  '%g s: %s', len(reclaimed), book.orphan_ttl_s, reclaimed)
+    return reclaimed
+
+
+# --- D4: END_SESSION of a preserved request -------------------------------------------------------------------
+
+def _preserved_sequence(scheduler: Any, session_id: int) -> Any:
+    session = scheduler.sessions.get(session_id)
+    sequences = list(session.sequences.values()) if session is not None else []
+    return sequences[0] if sequences and sequences[0].preserve_cache else None
+
+
+def _cancel_safe_end_session(original, to_be_migrated, success):
+    def _on_end_session(self, reqs, **kwargs):
+        for req in reqs:
+            _end_one(self, original, req, kwargs, to_be_migrated, success)
+
+    return _on_end_session
+
+
+def _end_one(engine: Any, original, req: Any, kwargs: dict[str, Any], to_be_migrated: Any, success: Any) -> None:
+    session_id = req.data['session_id']
+    seq = _preserved_sequence(engine.scheduler, session_id)
+    book = book_of(engine)
+    if seq is None:
+        original(engine, [req], **kwargs)
+    elif seq.status == to_be_migrated:
+        block_ids = engine.scheduler.block_manager.get_block_table(seq).tolist()
+        original(engine, [req], **kwargs)  # LMDeploy keeps it (STOPPED) for the Decode node
+        book.preserve(session_id, block_ids)
+    elif book.is_preserved(session_id):
+        if req.data.get('response', True):  # a repeated end: the cache stays preserved
+            engine._response(req.resp, success)
+    else:
+        seq.preserve_cache = False  # aborted before its cache was handed out: end it like any request
+        original(engine, [req], **kwargs)
+        book.cancelled()
+
+
+# --- D6: preserved caches are not evictable --------------------------------------------------------------------
+
+def _evictable_stopped(stopped: property) -> property:
+    def hanging(self):
+        return [seq for seq in stopped.fget(self) if not seq.preserve_cache]
+
+    return property(hanging, doc='STOPPED sequences eviction may take: never a preserved Prefill cache')
+
+
+# --- orphan reclaim ---------------------------------------------------------------------------------------------
+
+def _reclaiming_orphans(original):
+    async def async_loop(self):
+        reclaimer = asyncio.get_running_loop().create_task(_reclaim_periodically(self))
+        try:
+            return await original(self)
+        finally:
+            reclaimer.cancel()
+
+    return async_loop
+
+
+async def _reclaim_periodically(engine: Any) -> None:
+    interval = min(book_of(engine).orphan_ttl_s / 4, _RECLAIM_INTERVAL_CAP_S)
+    while True:
+        await asyncio.sleep(interval)
+        reclaim_orphans(engine)
+
+
+# --- D9: only plain-KV models are served disaggregated ----------------------------------------------------------
+
+def _refusing_stateful_models(original, hybrid_role, model_config_class):
+    def __init__(self, model_path, engine_config=None, trust_remote_code=False, *args, **kwargs):
+        role = getattr(engine_config, 'role', hybrid_role)
+        if role != hybrid_role:
+            _refuse_if_stateful(model_config_class, model_path, trust_remote_code, role)
+        original(self, model_path, engine_config, trust_remote_code, *args, **kwargs)
+
+    return __init__
+
+
+def _refuse_if_stateful(model_config_class: Any, model_path: str, trust_remote_code: bool, role: Any) -> None:
+    config = model_config_class.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if config.states_shapes:
+        raise ValueError(
+            f'lmdeploy-pdfix: {model_path} keeps per-sequence state besides the KV cache (linear attention or '
+            f'SSM layers), and DistServe migrates KV blocks only, so a {getattr(role, "name", role)} node would '
+            'answer with the wrong state. Serve this model with --role Hybrid.')
+
+
+# --- the RPC surface the api_server calls (methods of the engine process's worker) ------------------------------
+
+def _worker_release_preserved(self, owner: int, cause: str) -> dict[str, str]:
+    return release_preserved(self.engine, owner, ReleaseCause(cause)).as_dict()
+
+
+def _worker_claim_preserved(self, owner: int, block_ids: list[int]) -> dict[str, str]:
+    return claim_preserved(self.engine, owner, block_ids).as_dict()
+
+
+def _worker_audit(self) -> dict[str, Any]:
+    return book_of(self.engine).audit()
+
+
+WORKER_METHODS = {
+    'pdfix_release_preserved': _worker_release_preserved,
+    'pdfix_claim_preserved': _worker_claim_preserved,
+    'pdfix_audit': _worker_audit,
+}
+
+
+class EngineSessionsPatch(Patch):
+    name = 'engine_sessions'
+    target = 'lmdeploy.pytorch.engine.engine'
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stock_hanging: property | None = None
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        engine = getattr(module, 'Engine', None)
+        if engine is None or getattr(module, 'MessageStatus', None) is None:
+            return 'Engine or MessageStatus is missing'
+        if getattr(module.MessageStatus, 'TO_BE_MIGRATED', None) is None:
+            return 'MessageStatus.TO_BE_MIGRATED is missing'
+        scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
+        if not isinstance(vars(scheduler).get('hanging'), property):
+            return 'Scheduler.hanging is not a property'
+        worker = importlib.import_module(WORKER_MODULE).EngineWorkerBase
+        clashes = [name for name in WORKER_METHODS if hasattr(worker, name) and not _is_ours(worker, name)]
+        if clashes:
+            return f'EngineWorkerBase already has {clashes}'
+        return first_problem(
+            signature_problem(engine, '_on_end_session', ['self', 'reqs', 'kwargs']),
+            signature_problem(engine, '_response', ['self', 'resp', 'resp_type', 'data', 'err_msg']),
+            signature_problem(engine, 'end_session', ['self', 'session_id']),
+            signature_problem(engine, 'async_loop', ['self']),
+            signature_problem(engine, '__init__', ['self', 'model_path', 'engine_config', 'trust_remote_code',
+                                                   'speculative_config']),
+        )
+
+    def _apply(self, module: ModuleType) -> None:
+        engine = module.Engine
+        to_be_migrated = module.MessageStatus.TO_BE_MIGRATED
+        success = module.ResponseType.SUCCESS
+        install_wrapper(engine, '_on_end_session',
+                        lambda original: _cancel_safe_end_session(original, to_be_migrated, success))
+        install_wrapper(engine, 'async_loop', _reclaiming_orphans)
+        model_config = importlib.import_module(CONFIG_MODULE).ModelConfig
+        install_wrapper(engine, '__init__',
+                        lambda original: _refusing_stateful_models(original, module.EngineRole.Hybrid, model_config))
+        scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
+        if self._stock_hanging is None:
+            self._stock_hanging = vars(scheduler)['hanging']
+            scheduler.hanging = _evictable_stopped(self._stock_hanging)
+        worker = importlib.import_module(WORKER_MODULE).EngineWorkerBase
+        for name, method in WORKER_METHODS.items():
+            setattr(worker, name, method)
+
+    def _revert(self, module: ModuleType) -> None:
+        for attribute in ('_on_end_session', 'async_loop', '__init__'):
+            remove_wrapper(module.Engine, attribute)
+        if self._stock_hanging is not None:
+            importlib.import_module(SCHEDULER_MODULE).Scheduler.hanging = self._stock_hanging
+            self._stock_hanging = None
+        worker = importlib.import_module(WORKER_MODULE).EngineWorkerBase
+        for name in WORKER_METHODS:
+            if _is_ours(worker, name):
+                delattr(worker, name)
+
+
+def _is_ours(worker: type, name: str) -> bool:
+    return vars(worker).get(name) is WORKER_METHODS.get(name)
+
+
+PATCH = EngineSessionsPatch()

@@ -1,0 +1,38 @@
+"""One-shot faults a test arms while traffic runs: a file named after the fault in the node's fault folder.
+
+The engine process takes (deletes) the file when it reaches the faulty step, so each file is one fault:
+``slow_prefill`` (its content: seconds) stalls the next Prefill forward, as a long prompt would on a GPU;
+``migrate_error`` makes the next KV transfer of a Decode node fail, as a dropped RDMA link would.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FAULTS_ENV = 'LMDEPLOY_PDFIX_SIM_FAULTS'
+SLOW_PREFILL = 'slow_prefill'
+MIGRATE_ERROR = 'migrate_error'
+
+
+class InjectedFault(RuntimeError):
+    """A fault a test asked for."""
+
+
+def arm(folder: Path, fault: str, content: str = '') -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / fault).write_text(content)
+
+
+def take(fault: str) -> str | None:
+    """The armed fault's content (and disarm it), or None if ``fault`` is not armed in this node."""
+    folder = os.environ.get(FAULTS_ENV)
+    if not folder:
+        return None
+    path = Path(folder) / fault
+    try:
+        content = path.read_text()
+        path.unlink()
+    except FileNotFoundError:
+        return None
+    return content
