@@ -9,7 +9,11 @@ import pytest
 from lmdeploy_pdfix.owner_ids import (
     CACHE_OWNER_FIELD,
     PrefillAnswerError,
+    first_session_id,
+    incarnation_of,
     is_owner_id,
+    migration_request_problem,
+    new_incarnation,
     parse_prefill_answer,
     single_owner,
     sse_chunk_with_owner,
@@ -72,3 +76,17 @@ def test_unusable_prefill_answers_are_rejected_keeping_any_owner_for_release(bod
 def test_missing_owner_error_says_how_to_fix_it() -> None:
     with pytest.raises(PrefillAnswerError, match='LMDEPLOY_PDFIX=1'):
         parse_prefill_answer({'cache_block_ids': [1], 'remote_token_ids': [1]})
+
+
+def test_owner_ids_of_two_incarnations_never_meet() -> None:
+    first, second = new_incarnation(), new_incarnation()
+    assert incarnation_of(first_session_id(first) + 10**6) == first
+    assert first == second or first_session_id(first) + 10**6 != first_session_id(second) + 10**6
+    assert first_session_id(2**30 - 1) + 2**32 - 1 < 2**62
+
+
+def test_a_migration_request_must_name_an_owner_and_distinct_blocks() -> None:
+    assert migration_request_problem(5, [1, 2]) is None
+    assert 'not a cache owner' in migration_request_problem('5', [1, 2])
+    assert 'non-empty' in migration_request_problem(5, [])
+    assert 'twice' in migration_request_problem(5, [1, 1])

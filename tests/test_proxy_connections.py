@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+WARMUPS = 30
+HANDSHAKE = '/distserve/p2p_initialize'
 
 
 @pytest.mark.regression
@@ -54,3 +64,107 @@ def test_dropping_a_link_frees_no_session_that_may_still_be_migrating(apply_patc
         pool.shelf_prefill_session((p_url, 'http://127.0.0.1:1'), 7)
         pool.drop((p_url, 'http://127.0.0.1:1'))  # a Decode re-registering on the same URL
     assert prefill.retained == {7} and prefill.freed == []
+
+
+class NodeLog:
+    """What a stand-in node was asked; it can hold every request (a slow or stuck node) or fail them."""
+
+    def __init__(self) -> None:
+        self.asked: Counter[str] = Counter()
+        self.open = threading.Event()
+        self.open.set()
+        self.failing = False
+
+    def watch(self, app: FastAPI) -> FastAPI:
+        @app.middleware('http')
+        async def record(request: Request, call_next):
+            self.asked[request.url.path] += 1
+            while not self.open.is_set():
+                await asyncio.sleep(0.01)
+            if self.failing:
+                return JSONResponse({'error': 'engine not ready'}, status_code=503)
+            return await call_next(request)
+
+        return app
+
+    async def until_asked(self, path: str, times: int = 1) -> None:
+        for _ in range(500):
+            if self.asked[path] >= times:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f'{path} was asked {self.asked[path]} times, expected {times}')
+
+
+@contextmanager
+def linked_nodes(prefill: NodeLog, decode: NodeLog) -> Iterator[tuple[str, str]]:
+    from tests.servers import serving
+    from tests.stand_in_nodes import DecodeBook, PrefillBook, decode_app, prefill_app
+
+    with serving(prefill.watch(prefill_app(PrefillBook()))) as p_url, \
+            serving(decode.watch(decode_app(DecodeBook(), PrefillBook()))) as d_url:
+        try:
+            yield p_url, d_url
+        finally:
+            prefill.open.set()  # a held request would hold up the server's shutdown
+
+
+def warmups(pool: Any, p_url: str, d_url: str, count: int) -> list[asyncio.Future]:
+    """``count`` concurrent /distserve/connection_warmup calls, as the proxy makes them for one P/D pair."""
+    from lmdeploy.pytorch.disagg.messages import PDConnectionMessage
+
+    return [asyncio.ensure_future(pool.connect(PDConnectionMessage(p_url=p_url, d_url=d_url)))
+            for _ in range(count)]
+
+
+def pool_tasks(before: set[asyncio.Task], callers: list[asyncio.Future]) -> set[asyncio.Task]:
+    return asyncio.all_tasks() - before - set(callers)
+
+
+@pytest.mark.regression
+async def test_repeated_warmups_of_a_stuck_link_share_one_attempt(apply_patch) -> None:
+    conn = apply_patch('proxy_connections')
+    prefill, decode = NodeLog(), NodeLog()
+    prefill.open.clear()  # the handshake's first request hangs, as against a slow or stuck node (#4972)
+    with linked_nodes(prefill, decode) as (p_url, d_url):
+        pool = conn.PDConnectionPool()
+        before = asyncio.all_tasks()
+        try:
+            first = warmups(pool, p_url, d_url, 1)
+            await prefill.until_asked('/distserve/engine_info')
+            one_warmup = len(pool_tasks(before, first))
+            repeated = first + warmups(pool, p_url, d_url, WARMUPS - 1)
+            await asyncio.sleep(0.1)  # the pool takes up every queued request
+            all_warmups = len(pool_tasks(before, repeated))
+            prefill.open.set()
+            await asyncio.wait_for(asyncio.gather(*repeated), timeout=5)
+            asked = prefill.asked + decode.asked
+            await asyncio.wait_for(asyncio.gather(*warmups(pool, p_url, d_url, WARMUPS)), timeout=5)
+        finally:
+            await pool.conn_sess.close()
+    assert all_warmups == one_warmup, f'{WARMUPS} warmups kept {all_warmups} tasks, one warmup {one_warmup}'
+    assert prefill.asked[HANDSHAKE] == decode.asked[HANDSHAKE] == 1
+    assert prefill.asked + decode.asked == asked  # warmups of a connected link ask the nodes nothing
+
+
+@pytest.mark.regression
+async def test_concurrent_connects_after_a_failed_handshake_all_connect(apply_patch) -> None:
+    conn = apply_patch('proxy_connections')
+    prefill, decode = NodeLog(), NodeLog()
+    prefill.failing = True  # the first warmup finds the Prefill engine not ready
+    with linked_nodes(prefill, decode) as (p_url, d_url):
+        pool = conn.PDConnectionPool()
+        try:
+            with pytest.raises(TimeoutError, match='PDConnection Failure'):
+                await asyncio.wait_for(warmups(pool, p_url, d_url, 1)[0], timeout=5)
+            prefill.failing = False
+            prefill.open.clear()
+            callers = warmups(pool, p_url, d_url, WARMUPS)
+            await prefill.until_asked('/distserve/engine_info', times=prefill.asked['/distserve/engine_info'] + 1)
+            # while the new handshake is under way, nobody gives up on it
+            await asyncio.wait(callers, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+            prefill.open.set()
+            results = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), timeout=5)
+        finally:
+            await pool.conn_sess.close()
+    assert Counter(repr(result) for result in results) == {'None': WARMUPS}
+    assert prefill.asked[HANDSHAKE] == decode.asked[HANDSHAKE] == 1

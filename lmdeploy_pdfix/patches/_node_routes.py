@@ -17,6 +17,7 @@ The book of preserved caches lives in the engine process; these handlers reach i
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections import Counter
 from http import HTTPStatus
 from types import SimpleNamespace
@@ -27,10 +28,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lmdeploy_pdfix.owner_ids import AUDIT_PATH, CLAIM_PATH, migration_request_problem
-from lmdeploy_pdfix.patching import lmdeploy_logger
+from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 
 FREE_PATH = '/distserve/free_cache'
+ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
@@ -60,6 +62,18 @@ async def engine_call(async_engine: Any, method: str, *args: Any) -> Any:
     from lmdeploy_pdfix.patches.engine import WORKER_METHODS
 
     return WORKER_METHODS[method](SimpleNamespace(engine=engine), *args)
+
+
+def engine_book_available() -> bool:
+    """Whether the engine keeps a book of preserved caches (the ``engine_sessions`` patch is applied).
+
+    Engine and api_server run the same code with the same switches, so this process's patch state tells
+    the engine process's. Without it the node keeps LMDeploy's free_cache and confirms no claims.
+    """
+    importlib.import_module(ENGINE_MODULE)  # applies engine_sessions here, if it applies at all
+    from lmdeploy_pdfix.patches.engine import PATCH
+
+    return PATCH.state is PatchState.APPLIED
 
 
 def add_node_routes(router: Any, server_context: Any) -> None:

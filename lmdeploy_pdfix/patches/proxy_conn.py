@@ -1,4 +1,5 @@
-"""The proxy's Prefill/Decode connection pool: a safe shelf (D12) and a connect that cannot hang (D16).
+"""The proxy's Prefill/Decode connection pool: a safe shelf (D12), a connect that cannot hang (D16), one
+handshake per link at a time (#4972).
 
 ``PDConnectionPool.unshelf_prefill_session`` does ``set.remove``; when two requests shared a shelf key, or a
 key was never shelved, the second removal raises ``KeyError`` after the Decode already answered, turning a
@@ -7,6 +8,12 @@ finished request into HTTP 500.
 ``PDConnectionPool.connect`` waits for an event that nobody sets when the link turns Connected between its
 ``is_connected()`` check and the connection worker taking the request: that request hangs forever. The
 wrapper also watches the link itself, and gives up after ``LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S``.
+
+Every ``connect`` of a link also queues its own request and, while a handshake is under way, gets its own
+waiting task (upstream #4972): repeated ``/distserve/connection_warmup`` calls against slow or stuck nodes
+pile them up until the proxy is OOM-killed. After a failed handshake those waiters wait on the spent event
+of the first attempt, spin through their retries and fail while the link comes up. Concurrent connects of
+one link now share one attempt; a link already up still costs no request to the nodes.
 
 ``PDConnectionPool.drop`` (a Decode removed or re-registering) frees every session shelved on the link, some
 of which may still be migrating (D14); it no longer frees them: their relays and the proxy's gc do.
@@ -17,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
 
@@ -34,21 +43,41 @@ CONNECT_POLL_S = 0.05
 CONNECT_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S', '300'))
 
 
-def _watching_the_link(original):
+async def _watched_connect(original: Callable, pool: Any, conn_req: Any) -> None:
+    attempt = asyncio.ensure_future(original(pool, conn_req))
+    deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
+    try:
+        while not attempt.done():
+            await asyncio.wait({attempt}, timeout=CONNECT_POLL_S)
+            if not attempt.done() and pool.is_connected(conn_req.p_url, conn_req.d_url):
+                return None  # connected, though nobody told this attempt
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f'PD connection {conn_req.p_url} -> {conn_req.d_url} not up after '
+                                   f'{CONNECT_TIMEOUT_S:.0f} s')
+        return attempt.result()
+    finally:
+        attempt.cancel()
+
+
+ATTEMPTS = '_pdfix_connect_attempts'  # a pool's attribute: link -> its attempt in flight
+Attempts = dict[tuple[str, str], asyncio.Future]
+
+
+async def _attempt(original: Callable, pool: Any, conn_req: Any, attempts: Attempts) -> None:
+    try:
+        return await _watched_connect(original, pool, conn_req)
+    finally:
+        attempts.pop((conn_req.p_url, conn_req.d_url), None)  # settled: the next connect starts afresh
+
+
+def _one_attempt_per_link(original):
     async def connect(self, conn_req):
-        attempt = asyncio.ensure_future(original(self, conn_req))
-        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
-        try:
-            while not attempt.done():
-                await asyncio.wait({attempt}, timeout=CONNECT_POLL_S)
-                if not attempt.done() and self.is_connected(conn_req.p_url, conn_req.d_url):
-                    return None  # connected, though nobody told this attempt
-                if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f'PD connection {conn_req.p_url} -> {conn_req.d_url} not up after '
-                                       f'{CONNECT_TIMEOUT_S:.0f} s')
-            return attempt.result()
-        finally:
-            attempt.cancel()
+        link = (conn_req.p_url, conn_req.d_url)
+        attempts: Attempts = self.__dict__.setdefault(ATTEMPTS, {})
+        if link not in attempts:  # joiners' requests differ in nothing: the proxy sends its own protocol and RDMA
+            attempts[link] = asyncio.ensure_future(_attempt(original, self, conn_req, attempts))
+        # a caller that leaves (its client went away) must not cancel the attempt the others wait for
+        return await asyncio.shield(attempts[link])
 
     return connect
 
@@ -86,7 +115,7 @@ class ProxyConnectionsPatch(Patch):
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.PDConnectionPool, 'unshelf_prefill_session', _tolerating_absent_session)
-        install_wrapper(module.PDConnectionPool, 'connect', _watching_the_link)
+        install_wrapper(module.PDConnectionPool, 'connect', _one_attempt_per_link)
         install_wrapper(module.PDConnectionPool, 'drop', _dropping_without_freeing_in_flight)
 
     def _revert(self, module: ModuleType) -> None:

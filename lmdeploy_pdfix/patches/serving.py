@@ -45,6 +45,7 @@ from lmdeploy_pdfix.owner_ids import (
 from lmdeploy_pdfix.patches._node_routes import (
     FREE_PATH,
     add_node_routes,
+    engine_book_available,
     forget_link,
     free_cache_endpoint,
     record_link,
@@ -214,12 +215,14 @@ def _response_with_owner(response: Any, owner: int | None) -> Any:
 def _adding_distserve_routes(original):
     def register(router, server_context):
         original(router, server_context)
-        swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
-        add_node_routes(router, server_context)
+        book = engine_book_available()
+        if book:
+            swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
+            add_node_routes(router, server_context)
 
         @router.get(CAPABILITIES_PATH)
         async def pdfix_capabilities():
-            return {'cache_owner': True, 'truthful_free': True, 'claims': True, 'lmdeploy_pdfix': __version__}
+            return {'cache_owner': True, 'truthful_free': book, 'claims': book, 'lmdeploy_pdfix': __version__}
 
     return register
 

@@ -1,0 +1,166 @@
+"""A failing or hanging KV migration fails its own request; the Decode engine keeps serving (D5, #4965, #4971).
+
+``EngineLoop._migration_loop_migrate`` migrates a batch of sequences with no error handling: a block-count
+mismatch (its assert), a failing ``executor.migrate`` or a failing ``engine_conn.zmq_send`` ends the engine's
+migration task, and a transfer whose future nobody completes (#4971) blocks it forever. Either way the Decode
+node takes no migration again while /health stays green.
+
+The wrapper runs LMDeploy's own code for one sequence at a time, under a deadline
+(``LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S``, default 120 s). A sequence whose migration fails or overruns leaves
+the batch before LMDeploy activates it: its client gets an engine error, its Decode session ends, the failure
+is counted in the node's book, and the rest of the batch and every later one go on. Dummy prefills reach
+LMDeploy's code unchanged (it skips them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from lmdeploy_pdfix.patches._node_book import book_of
+from lmdeploy_pdfix.patching import (
+    Patch,
+    first_problem,
+    install_wrapper,
+    lmdeploy_logger,
+    remove_wrapper,
+    signature_problem,
+    wrapped_original,
+)
+
+MIGRATION_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', '120'))
+BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
+
+Migrate = Callable[[Any, list[Any]], Awaitable[None]]
+Respond = Callable[..., None]
+
+# Transfers given up on but still running: asyncio holds tasks weakly, and their end unpins blocks.
+_ABANDONED: set[asyncio.Task] = set()
+
+
+@dataclass(frozen=True)
+class MigrationFailure:
+    reason: str  # 'timeout' or the exception's class name: the key the node's book counts it under
+    detail: str
+
+
+def _migrating_each_alone(original: Migrate, respond: Respond, error_type: Any) -> Migrate:
+    async def _migration_loop_migrate(self, migration_ready):
+        for msg in list(migration_ready):
+            failure = await _migrate_one(original, self, msg)
+            if failure is not None:
+                _fail(self, msg, failure, respond, error_type)
+                # in place, by identity (sequences are dataclasses, compared field by field): LMDeploy's caller
+                # activates and answers what is left in this very list
+                migration_ready[:] = [ready for ready in migration_ready if ready is not msg]
+
+    return _migration_loop_migrate
+
+
+async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailure | None:
+    """Migrate ``msg`` by LMDeploy's code; None when it worked."""
+    transfer = asyncio.ensure_future(original(loop, [msg]))
+    try:
+        await asyncio.wait({transfer}, timeout=MIGRATION_TIMEOUT_S)
+    except asyncio.CancelledError:  # the engine is stopping
+        transfer.cancel()
+        raise
+    if not transfer.done():
+        _quarantine(loop.scheduler.block_manager, msg, transfer)
+        return MigrationFailure('timeout', f'not done within {MIGRATION_TIMEOUT_S:g} s '
+                                           '(LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S)')
+    if transfer.cancelled():
+        return MigrationFailure('cancelled', 'the transfer was cancelled')
+    error = transfer.exception()
+    if error is None:
+        return None
+    return MigrationFailure(type(error).__name__, str(error) or repr(error))
+
+
+def _quarantine(block_manager: Any, msg: Any, transfer: asyncio.Task) -> None:
+    """Keep ``msg``'s Decode blocks out of reuse until the transfer given up on really ends.
+
+    Giving up on the await does not stop an RDMA read already posted (DLSlime waits in a worker thread, Ray
+    workers run on), so the blocks may still be written after the deadline; handed to another request, they
+    would silently corrupt its KV. So the session ends and its client is answered now, but an extra reference
+    (LMDeploy's own pin for asynchronous readers) keeps the blocks allocated, and the transfer is left to
+    finish rather than cancelled, as its end is the only sign that nothing writes any more. A transfer that
+    never ends (#4971: the future is never completed, though the copy is done) keeps its blocks: a visible
+    loss of capacity (the book's ``timeout`` count), never wrong text.
+    """
+    blocks = msg.logical_blocks.get_real_blocks().copy()  # the sequence's own array is reset when it ends
+    block_manager.pin_logical_blocks(blocks)
+    session_id = msg.session_id
+    _ABANDONED.add(transfer)
+
+    def release(done: asyncio.Task) -> None:
+        _ABANDONED.discard(done)
+        block_manager.release_logical_blocks(blocks)
+        error = None if done.cancelled() else done.exception()
+        lmdeploy_logger().warning('lmdeploy-pdfix: the migration of Decode session %s given up on has ended (%s); '
+                                  'its %d blocks are free again', session_id, repr(error) if error else 'no error',
+                                  len(blocks))
+
+    transfer.add_done_callback(release)
+
+
+def _fail(loop: Any, msg: Any, failure: MigrationFailure, respond: Respond, error_type: Any) -> None:
+    request = msg.migration_request
+    remote_engine = getattr(request, 'remote_engine_id', None)
+    remote_session = getattr(request, 'remote_session_id', None)
+    session_id = msg.session_id
+    problem = (f'KV cache migration from Prefill engine {remote_engine} (session {remote_session}) failed: '
+               f'{failure.reason}: {failure.detail}')
+    respond(loop.req_manager, msg.resp, error_type, err_msg=problem)
+    engine = loop.engine_conn.engine
+    engine.end_session(session_id)  # its blocks return (but see _quarantine)
+    book_of(engine).migration_failed(failure.reason)
+    lmdeploy_logger().error('lmdeploy-pdfix: Decode session %s ended with an error: %s', session_id, problem)
+
+
+def coroutine_problem(owner: Any, attribute: str) -> str | None:
+    """Why ``owner.attribute`` is not a coroutine function (an async wrapper could not stand in), or None."""
+    target = getattr(owner, attribute)
+    if not inspect.iscoroutinefunction(wrapped_original(target) or target):
+        return f'{owner.__name__}.{attribute} is not a coroutine function'
+    return None
+
+
+class MigrationFaultsPatch(Patch):
+    name = 'migration_faults'
+    target = 'lmdeploy.pytorch.engine.engine_loop'
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        loop = getattr(module, 'EngineLoop', None)
+        if loop is None or not callable(getattr(module, 'response_reqs', None)):
+            return 'EngineLoop or response_reqs is missing'
+        if getattr(getattr(module, 'ResponseType', None), 'INTERNAL_ENGINE_ERROR', None) is None:
+            return 'ResponseType.INTERNAL_ENGINE_ERROR is missing'
+        block_manager = getattr(importlib.import_module(BLOCK_MANAGER_MODULE), 'BaseBlockManager', None)
+        if block_manager is None:
+            return 'BaseBlockManager is missing'
+        return first_problem(
+            signature_problem(loop, '_migration_loop_migrate', ['self', 'migration_ready']),
+            signature_problem(loop, '_migration_loop_process_ready', ['self', 'migration_ready']),
+            coroutine_problem(loop, '_migration_loop_migrate'),
+            signature_problem(module, 'response_reqs', ['req_manager', 'resp', 'resp_type', 'data', 'err_msg']),
+            signature_problem(block_manager, 'pin_logical_blocks', ['self', 'logical_block_ids']),
+            signature_problem(block_manager, 'release_logical_blocks', ['self', 'logical_block_ids']),
+        )
+
+    def _apply(self, module: ModuleType) -> None:
+        error_type = module.ResponseType.INTERNAL_ENGINE_ERROR
+        install_wrapper(module.EngineLoop, '_migration_loop_migrate',
+                        lambda original: _migrating_each_alone(original, module.response_reqs, error_type))
+
+    def _revert(self, module: ModuleType) -> None:
+        remove_wrapper(module.EngineLoop, '_migration_loop_migrate')
+
+
+PATCH = MigrationFaultsPatch()

@@ -1,0 +1,321 @@
+"""Engine-side DistServe faults on the real cluster, each injected while normal traffic runs.
+
+For every fault the patched cluster must keep both engines healthy, give the faulty request a clear status,
+answer every normal request with the exact expected text (0 wrong texts), and end with no Prefill session
+left. Stock LMDeploy goes through the same steps to show the defect (D4, D5, D6, D14, D15, D19 and the
+orphan that nobody frees). A stock engine a fault killed is restarted after its test.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from lmdeploy_pdfix.owner_ids import AUDIT_PATH, incarnation_of
+from lmdeploy_pdfix.sim import client, faults
+from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster
+from tests.e2e.conftest import MODES
+from tests.e2e.test_failure_paths import Answer, assert_serving, get, post
+
+pytestmark = pytest.mark.e2e
+
+ORPHAN_TTL_S = 3.0
+NODE_ENV = {'LMDEPLOY_PDFIX_ORPHAN_TTL_S': str(ORPHAN_TTL_S), 'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S': '10'}
+SETTLE_S = 8.0
+FREE_PATH = '/distserve/free_cache'
+RDMA = 1  # MigrationProtocol.RDMA, what the proxy sends (the sim runs it over Mooncake's TCP transport)
+
+
+@pytest.fixture(scope='module', params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope='module')
+def cluster(mode: str, start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
+    with start_cluster(f'engine-faults-{mode}', stock=mode == 'stock', env=NODE_ENV) as started:
+        yield started
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+class Traffic:
+    """Normal completions through the proxy, one after another, for as long as the ``with`` block runs."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.results: list[client.Result] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        index = 1000
+        while not self._stop.is_set():
+            index += 1
+            self.results.append(client.request(self.cluster.proxy_url, 'completions', client.prompt_for(index),
+                                               timeout_s=30))
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def assert_clean(self, allowed_failures: int = 0) -> None:
+        """Every answer exact; at most ``allowed_failures`` clear (non-200) failures the fault itself caused."""
+        wrong = [r for r in self.results if r.status == 200 and not r.ok]
+        failed = [r for r in self.results if r.status != 200]
+        assert self.results, 'no traffic ran'
+        assert not wrong, f'{len(wrong)} answers with HTTP 200 and the wrong text: {wrong[:3]}'
+        assert len(failed) <= allowed_failures, failed[:3]
+
+
+def preserved_body(index: int, **extra: Any) -> dict[str, Any]:
+    return {'model': MODEL_NAME, 'prompt': client.prompt_for(index), 'max_tokens': 1, 'with_cache': True,
+            'preserve_cache': True, **extra}
+
+
+def preserve_directly(cluster: Cluster, index: int) -> Answer:
+    """A Prefill request that keeps its cache, as the proxy sends it, from a proxy that then goes away."""
+    answer = post(f'{cluster.prefill_urls[0]}/v1/completions', preserved_body(index))
+    assert answer.status == 200, answer
+    return answer
+
+
+def free(cluster: Cluster, owner: int) -> Answer:
+    return post(f'{cluster.prefill_urls[0]}{FREE_PATH}',
+                {'remote_engine_id': cluster.decode_urls[0], 'remote_session_id': owner})
+
+
+def node_audit(url: str) -> dict[str, Any]:
+    answer = get(f'{url}{AUDIT_PATH}')
+    assert answer.status == 200, answer
+    return answer.body
+
+
+def prefill_sessions(cluster: Cluster, expected: int | None = None, within_s: float = SETTLE_S) -> int:
+    """The Prefill node's scheduler sessions, once they equal ``expected`` (or after ``within_s``)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        sessions = cluster.settled_state(cluster.prefill_urls[0], quiet_s=0.5)['sessions']
+        if expected is None or sessions == expected or time.monotonic() > deadline:
+            return sessions
+        time.sleep(0.2)
+
+
+def migration_request(cluster: Cluster, owner: int, block_ids: list[int], **overrides: Any) -> dict[str, Any]:
+    request = {'protocol': RDMA, 'remote_engine_id': cluster.prefill_urls[0], 'remote_session_id': owner,
+               'remote_token_id': 1, 'remote_block_ids': block_ids, **overrides}
+    return {'model': MODEL_NAME, 'prompt': client.prompt_for(7), 'max_tokens': 4, 'migration_request': request}
+
+
+def to_decode(cluster: Cluster, body: dict[str, Any]) -> Answer:
+    return post(f'{cluster.decode_urls[0]}/v1/completions', body, timeout_s=30)
+
+
+def fails_to_serve(cluster: Cluster) -> bool:
+    """Stock after a fault: /health may stay green while the engine is gone; normal requests tell."""
+    return not any(client.request(cluster.proxy_url, 'completions', client.prompt_for(500 + i), timeout_s=20).ok
+                   for i in range(2))
+
+
+def restart(cluster: Cluster, url: str) -> None:
+    cluster.stop_node(url)
+    cluster.restart_node(url)
+
+
+def open_and_drop_stream(url: str, body: dict[str, Any], after_s: float) -> None:
+    """Start a streamed request and close the connection before any answer: a caller that went away."""
+    address = urlparse(url)
+    conn = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+    conn.request('POST', '/v1/completions', json.dumps({**body, 'stream': True}),
+                 {'Content-Type': 'application/json'})
+    time.sleep(after_s)
+    conn.close()
+
+
+# ---------------------------------------------------------------------------------------------- D4
+
+
+@pytest.mark.regression
+def test_a_preserved_prefill_request_cancelled_while_queued_leaves_the_engine_serving(cluster: Cluster,
+                                                                                      mode: str) -> None:
+    prefill = cluster.prefill_urls[0]
+    with Traffic(cluster) as traffic:
+        cluster.arm_fault(prefill, faults.SLOW_PREFILL, '2')  # the engine is busy, the next request queues
+        busy = threading.Thread(target=preserve_directly, args=(cluster, 11))
+        busy.start()
+        time.sleep(0.5)
+        open_and_drop_stream(prefill, preserved_body(12), after_s=0.3)
+        busy.join()
+        time.sleep(0.5)
+    if mode == 'stock':
+        # D4: END_SESSION on the queued preserved request calls finish() on a STOPPED sequence
+        assert fails_to_serve(cluster)
+        restart(cluster, prefill)
+        return
+    traffic.assert_clean()
+    assert_serving(cluster, mode)
+    assert node_audit(prefill)['releases'].get('cancelled', 0) >= 1
+
+
+# ---------------------------------------------------------------------------------------------- D5, #4965
+
+
+@pytest.mark.regression
+def test_a_migration_request_that_cannot_be_right_is_refused_before_the_decode_engine(cluster: Cluster,
+                                                                                    mode: str) -> None:
+    if mode == 'stock':
+        # D5: a block count that does not match trips an assert in the migration loop; the Decode engine dies
+        to_decode(cluster, migration_request(cluster, 424242, [1, 2, 3, 4, 5]))
+        assert fails_to_serve(cluster)
+        restart(cluster, cluster.decode_urls[0])
+        return
+    prefill = preserve_directly(cluster, 21).body
+    owner, blocks = prefill['cache_session_id'], prefill['cache_block_ids']
+    bad = {
+        'unknown owner': migration_request(cluster, owner + 10**6, blocks),
+        'blocks that are not the owner blocks': migration_request(cluster, owner, [*blocks, max(blocks) + 1]),
+        'unlinked Prefill node': migration_request(cluster, owner, blocks, remote_engine_id='http://127.0.0.1:9'),
+        'malformed block ids': migration_request(cluster, owner, [-1]),
+    }
+    with Traffic(cluster) as traffic:
+        answers = {case: to_decode(cluster, body) for case, body in bad.items()}
+    for case, answer in answers.items():
+        assert 400 <= answer.status < 500, (case, answer)
+        assert 'migration_request refused' in answer.message, (case, answer)
+    traffic.assert_clean()
+    assert_serving(cluster, mode)
+    assert free(cluster, owner).body['status'] == 'released'
+    assert prefill_sessions(cluster, expected=0) == 0
+
+
+# ---------------------------------------------------------------------------------------------- D5, #4971
+
+
+@pytest.mark.regression
+def test_a_failed_kv_transfer_fails_only_its_own_request(cluster: Cluster, mode: str) -> None:
+    decode = cluster.decode_urls[0]
+    cluster.arm_fault(decode, faults.MIGRATE_ERROR)
+    if mode == 'stock':
+        client.request(cluster.proxy_url, 'completions', client.prompt_for(31), timeout_s=20)
+        assert fails_to_serve(cluster)  # the migration loop died with the transfer
+        restart(cluster, decode)
+        return
+    with Traffic(cluster) as traffic:
+        failed = client.request(cluster.proxy_url, 'completions', client.prompt_for(31), timeout_s=30)
+        time.sleep(1.0)
+    hit = [r for r in [failed, *traffic.results] if r.status != 200]
+    assert len(hit) == 1 and 500 <= hit[0].status < 600, hit  # the one request whose transfer failed
+    traffic.assert_clean(allowed_failures=1)
+    assert_serving(cluster, mode)
+    assert sum(node_audit(decode)['migration_failures'].values()) >= 1
+    assert prefill_sessions(cluster, expected=0) == 0
+
+
+# ---------------------------------------------------------------------------------------------- D15
+
+
+@pytest.mark.regression
+def test_a_free_answers_truthfully_and_ends_only_a_preserved_cache(cluster: Cluster, mode: str) -> None:
+    if mode == 'stock':
+        assert free(cluster, 987654).body == {'status': 'SUCCESS'}  # D15: "success" for nothing
+        return
+    owner = preserve_directly(cluster, 41).body['cache_session_id']
+    with Traffic(cluster) as traffic:
+        unknown = free(cluster, owner + 10**6).body
+        released = free(cluster, owner).body
+        again = free(cluster, owner).body
+    assert (unknown['status'], released['status'], again['status']) == ('not_found', 'released', 'not_found')
+    traffic.assert_clean()
+    assert node_audit(cluster.prefill_urls[0])['frees_not_released'].get('unknown', 0) >= 2
+    assert prefill_sessions(cluster, expected=0) == 0
+
+
+# ---------------------------------------------------------------------------------------------- D14
+
+
+@pytest.mark.regression
+def test_a_free_issued_before_a_prefill_restart_cannot_end_a_session_after_it(cluster: Cluster,
+                                                                            mode: str) -> None:
+    prefill = cluster.prefill_urls[0]
+    before = [preserve_directly(cluster, 51 + i).body.get('cache_session_id') for i in range(2)]
+    restart(cluster, prefill)
+    after = preserve_directly(cluster, 53).body.get('cache_session_id')
+    # late duplicates of frees for what the previous incarnation issued (stock numbers from 0 again)
+    late_ids = before if mode == 'patched' else list(range(8))
+    answers = [free(cluster, owner).body for owner in late_ids]
+    if mode == 'stock':
+        assert prefill_sessions(cluster, expected=0) == 0  # D14: the new session was ended by a stale id
+        return
+    assert incarnation_of(after) != incarnation_of(before[0])
+    assert {answer['status'] for answer in answers} == {'refused'}
+    assert prefill_sessions(cluster) == 1  # the session after the restart is intact
+    assert free(cluster, after).body['status'] == 'released'
+    assert prefill_sessions(cluster, expected=0) == 0
+
+
+# ---------------------------------------------------------------------------------------------- orphans
+
+
+@pytest.mark.regression
+def test_an_orphaned_cache_is_reclaimed_after_the_ttl_and_refused_to_a_late_decode(cluster: Cluster,
+                                                                                 mode: str) -> None:
+    assert_serving(cluster, mode)  # also links the pair again after an earlier restart
+    baseline = prefill_sessions(cluster)
+    answer = preserve_directly(cluster, 61).body
+    time.sleep(ORPHAN_TTL_S)
+    if mode == 'stock':
+        assert prefill_sessions(cluster, expected=baseline, within_s=SETTLE_S) == baseline + 1  # kept forever
+        return
+    assert prefill_sessions(cluster, expected=baseline) == baseline
+    assert node_audit(cluster.prefill_urls[0])['releases'].get('reclaimed', 0) >= 1
+    late = to_decode(cluster, migration_request(cluster, answer['cache_session_id'], answer['cache_block_ids']))
+    assert late.status == 410 and 'reclaimed' in late.message, late
+    assert_serving(cluster, mode)
+
+
+# ---------------------------------------------------------------------------------------------- D19
+
+
+@pytest.mark.regression
+def test_an_answer_decoded_from_a_dummy_prefill_is_marked(cluster: Cluster, mode: str) -> None:
+    answer = to_decode(cluster, migration_request(cluster, 0, [0], is_dummy_prefill=True))
+    assert answer.status == 200, answer
+    assert answer.body.get('dummy_prefill') is (True if mode == 'patched' else None)
+
+
+# ---------------------------------------------------------------------------------------------- D6
+
+PRESSURE = {'num_blocks': 24, 'requests': 16, 'prompt_length': 300}
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('engine', ['stock', 'patched'])
+def test_preserved_caches_are_not_evicted_under_kv_pressure(engine: str, start_cluster: Callable[..., Any]) -> None:
+    # A fixed proxy in both runs, so only the Prefill engine's handling of preserved KV differs.
+    env = {} if engine == 'patched' else {'LMDEPLOY_PDFIX_DISABLE': 'engine_sessions'}
+    with start_cluster(f'kv-pressure-{engine}', num_blocks=PRESSURE['num_blocks'], env=env) as started:
+        def one(index: int) -> client.Result:
+            return client.request(started.proxy_url, 'completions',
+                                  client.prompt_for(index, PRESSURE['prompt_length']), timeout_s=60)
+
+        with ThreadPoolExecutor(PRESSURE['requests']) as pool:
+            results = list(pool.map(one, range(PRESSURE['requests'])))
+        wrong = sum(r.status == 200 and not r.ok for r in results)
+        if engine == 'stock':
+            assert wrong > 0  # D6: evicted preserved blocks were reused before the Decode copied them
+            return
+        assert wrong == 0 and all(r.ok for r in results), results
+        assert started.settled_state(started.prefill_urls[0])['sessions'] == 0

@@ -1,0 +1,81 @@
+"""A node's book of preserved Prefill caches: every free and claim gets a definitive answer, and is counted."""
+
+from __future__ import annotations
+
+from lmdeploy_pdfix.owner_ids import first_session_id
+from lmdeploy_pdfix.preserved import PreservedBook, ReleaseCause, Verdict
+
+OWNER = first_session_id(7) + 3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def book_with_one_cache(ttl: float = 600.0) -> tuple[PreservedBook, Clock]:
+    clock = Clock()
+    book = PreservedBook(orphan_ttl_s=ttl, clock=clock)
+    book.preserve(OWNER, [4, 5])
+    return book, clock
+
+
+def test_a_preserved_cache_is_released_once_and_then_not_found() -> None:
+    book, _ = book_with_one_cache()
+    assert book.release(OWNER, ReleaseCause.MIGRATED, session_exists=True).verdict is Verdict.RELEASED
+    assert book.release(OWNER, ReleaseCause.FREED, session_exists=False).verdict is Verdict.NOT_FOUND
+    assert book.audit()['releases'] == {'migrated': 1}
+    assert book.audit()['frees_not_released'] == {'unknown': 1}
+
+
+def test_a_session_that_is_not_a_preserved_cache_is_never_released() -> None:
+    book, _ = book_with_one_cache()
+    answer = book.release(OWNER + 1, ReleaseCause.FREED, session_exists=True)
+    assert answer.verdict is Verdict.REFUSED and 'not a preserved cache' in answer.detail
+
+
+def test_an_owner_from_an_earlier_incarnation_is_refused_as_stale() -> None:
+    book, _ = book_with_one_cache()
+    stale = first_session_id(6) + 3
+    answer = book.release(stale, ReleaseCause.FREED, session_exists=True)
+    assert answer.verdict is Verdict.REFUSED and 'earlier incarnation' in answer.detail
+    assert book.claim(stale, [4, 5]).verdict is Verdict.REFUSED
+    assert book.audit()['frees_not_released'] == {'stale': 1}
+
+
+def test_orphans_expire_after_the_ttl_and_a_claim_restarts_it() -> None:
+    book, clock = book_with_one_cache(ttl=10.0)
+    clock.now += 8
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
+    clock.now += 8
+    assert book.expired() == []
+    clock.now += 3
+    assert book.expired() == [OWNER]
+
+
+def test_a_reclaimed_owner_is_refused_to_a_late_claim_and_reported_to_a_late_free() -> None:
+    book, _ = book_with_one_cache()
+    book.release(OWNER, ReleaseCause.RECLAIMED, session_exists=True)
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.RECLAIMED
+    answer = book.release(OWNER, ReleaseCause.FREED, session_exists=False)
+    assert answer.verdict is Verdict.NOT_FOUND and 'reclaimed' in answer.detail
+
+
+def test_a_claim_must_name_exactly_the_owners_blocks() -> None:
+    book, _ = book_with_one_cache()
+    assert book.claim(OWNER, [4]).verdict is Verdict.REFUSED
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
+    assert book.claim(OWNER + 9, [4, 5]).verdict is Verdict.NOT_FOUND
+
+
+def test_the_audit_buckets_preserved_caches_by_age() -> None:
+    book, clock = book_with_one_cache()
+    clock.now += 70
+    book.preserve(OWNER + 1, [6])
+    audit = book.audit()
+    assert audit['preserved'] == 2
+    assert audit['preserved_by_age_s'] == {'<10': 1, '<60': 0, '<300': 1, '>=300': 0}
+    assert audit['oldest_age_s'] == 70.0
