@@ -97,6 +97,18 @@ def _dropping_without_freeing_in_flight(original):
     return drop
 
 
+def _dropping_prefill_links(original):
+    def dereg_instance(self, endpoint):
+        # LMDeploy drops the links of a Decode that leaves or re-registers, never a Prefill's (D14): a Prefill
+        # restarted on the same URL kept its stale link, and every migration from it failed.
+        if endpoint in self.prefill_endpoints:
+            for pd_key in [key for key in self.pool if key[0] == endpoint]:
+                self.drop(pd_key)
+        original(self, endpoint)
+
+    return dereg_instance
+
+
 class ProxyConnectionsPatch(Patch):
     name = 'proxy_connections'
     target = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
@@ -111,17 +123,20 @@ class ProxyConnectionsPatch(Patch):
             signature_problem(pool, 'connect', ['self', 'conn_req']),
             signature_problem(pool, 'is_connected', ['self', 'p_url', 'd_url']),
             signature_problem(pool, 'drop', ['self', 'pd_key']),
+            signature_problem(pool, 'dereg_instance', ['self', 'endpoint']),
         )
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.PDConnectionPool, 'unshelf_prefill_session', _tolerating_absent_session)
         install_wrapper(module.PDConnectionPool, 'connect', _one_attempt_per_link)
         install_wrapper(module.PDConnectionPool, 'drop', _dropping_without_freeing_in_flight)
+        install_wrapper(module.PDConnectionPool, 'dereg_instance', _dropping_prefill_links)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.PDConnectionPool, 'unshelf_prefill_session')
         remove_wrapper(module.PDConnectionPool, 'connect')
         remove_wrapper(module.PDConnectionPool, 'drop')
+        remove_wrapper(module.PDConnectionPool, 'dereg_instance')
 
 
 PATCH = ProxyConnectionsPatch()
