@@ -49,7 +49,7 @@ def test_a_disaggregated_engine_refuses_a_model_whose_state_is_not_plain_kv(appl
                                                                             role: str, monkeypatch) -> None:
     module = apply_patch('engine_sessions')
     monkeypatch.setattr(module, 'EngineChecker', refuse_to_build)
-    with pytest.raises(ValueError, match='DistServe migrates KV blocks only.*--role Hybrid'):
+    with pytest.raises(ValueError, match=r'DistServe migrates KV blocks only.*--role Hybrid'):
         start_engine(module, hybrid_model, role)
 
 
