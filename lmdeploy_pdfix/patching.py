@@ -138,5 +138,13 @@ def signature_problem(owner: Any, attribute: str, parameters: Sequence[str]) -> 
     return None
 
 
+def coroutine_problem(owner: Any, attribute: str) -> str | None:
+    """Why ``owner.attribute`` is not a coroutine function (an async wrapper could not stand in), or None."""
+    target = getattr(owner, attribute)
+    if not inspect.iscoroutinefunction(wrapped_original(target) or target):
+        return f'{owner.__name__}.{attribute} is not a coroutine function'
+    return None
+
+
 def first_problem(*problems: str | None) -> str | None:
     return next((problem for problem in problems if problem is not None), None)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 from lmdeploy.pytorch.config import CacheConfig, SchedulerConfig
 from lmdeploy.pytorch.disagg.conn.protocol import (
     DistServeConnectionRequest,
@@ -82,8 +84,8 @@ class Node:
     def scheduler(self) -> Scheduler:
         return self.engine.scheduler
 
-    def add_session(self, session_id: int, num_tokens: int = 40) -> None:
-        self.scheduler.add_session(session_id).add_sequence(np.arange(num_tokens))
+    def add_session(self, session_id: int) -> None:
+        self.scheduler.add_session(session_id).add_sequence(np.arange(40))
 
     def preserve(self, session_id: int) -> None:
         """A finished request LMDeploy keeps for a Decode node, recorded as engine_sessions records it."""
@@ -126,16 +128,6 @@ def owner(n: int) -> int:
     return first_session_id(INCARNATION) + n
 
 
-def close_links(*nodes: Node) -> None:
-    """Test teardown, whatever the code under test left open."""
-    for node in nodes:
-        for sockets in (node.conn.p2p_receiver, node.conn.p2p_sender):
-            for socket in sockets.values():
-                socket.close(linger=0)
-        for context in node.conn.p2p_conn_ctx.values():
-            context.term()
-
-
 async def other_tasks_done() -> None:
     """Test teardown: end what the test started (receive loops, hung sends) before the loop closes."""
     tasks = asyncio.all_tasks() - {asyncio.current_task()}
@@ -159,13 +151,32 @@ def conn_module(apply_patch: Callable[[str], ModuleType]) -> ModuleType:
 
 
 @pytest.fixture
-async def pair(conn_module: ModuleType) -> AsyncIterator[tuple[Node, Node]]:
-    prefill, decode = make_node(conn_module, PREFILL_URL), make_node(conn_module, DECODE_URL)
-    try:
-        yield prefill, decode
-    finally:
-        await other_tasks_done()
-        close_links(prefill, decode)
+def zmq_contexts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[zmq.asyncio.Context]]:
+    """Every ZMQ context the test creates, destroyed at its end: one left open (stock LMDeploy leaks the old
+    link's on re-linking) would hang the interpreter's exit in its garbage collection."""
+    created: list[zmq.asyncio.Context] = []
+
+    class RecordedContext(zmq.asyncio.Context):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(zmq.asyncio, 'Context', RecordedContext)
+    yield created
+    destroy(created)
+
+
+def destroy(contexts: list[zmq.asyncio.Context]) -> None:
+    for context in contexts:
+        if not context.closed:
+            context.destroy(linger=0)
+
+
+@pytest.fixture
+async def pair(conn_module: ModuleType, zmq_contexts: list[zmq.asyncio.Context]) -> AsyncIterator[tuple[Node, Node]]:
+    """A Prefill and a Decode node, not linked yet."""
+    yield make_node(conn_module, PREFILL_URL), make_node(conn_module, DECODE_URL)
+    await other_tasks_done()  # before their sockets close: receive loops, hung sends
 
 
 @pytest.fixture
@@ -250,7 +261,7 @@ async def test_a_free_no_prefill_takes_fails_within_the_send_timeout(pair: tuple
     initialize(decode, prefill)  # the Prefill node never connected (it died, or restarted and is not re-linked)
 
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match='took no free of its session 5 within 0.3 s'):
+    with pytest.raises(RuntimeError, match=r'took no free of its session 5 within 0\.3 s'):
         await asyncio.wait_for(decode.conn.zmq_send(PREFILL_URL, 5), SETTLE_S)
     assert time.monotonic() - started < SETTLE_S
 

@@ -28,9 +28,9 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.patches.engine import release_preserved
-from lmdeploy_pdfix.patches.engine_loop import coroutine_problem
 from lmdeploy_pdfix.patching import (
     Patch,
+    coroutine_problem,
     first_problem,
     install_wrapper,
     lmdeploy_logger,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import inspect
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from typing import Any
 from lmdeploy_pdfix.patches._node_book import book_of
 from lmdeploy_pdfix.patching import (
     Patch,
+    coroutine_problem,
     first_problem,
     install_wrapper,
     lmdeploy_logger,
     remove_wrapper,
     signature_problem,
-    wrapped_original,
 )
 
 MIGRATION_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', '120'))
@@ -56,8 +55,9 @@ def _migrating_each_alone(original: Migrate, respond: Respond, error_type: Any) 
             failure = await _migrate_one(original, self, msg)
             if failure is not None:
                 _fail(self, msg, failure, respond, error_type)
-                # in place, by identity (sequences are dataclasses, compared field by field): LMDeploy's caller
-                # activates and answers what is left in this very list
+                # In place: LMDeploy's caller then activates and answers only what is left in this very list
+                # (0.17 and 0.18 alike), so the ended sequence never reaches MIGRATION_RUNNING or its client a
+                # token. By identity: sequences are dataclasses, compared field by field.
                 migration_ready[:] = [ready for ready in migration_ready if ready is not msg]
 
     return _migration_loop_migrate
@@ -76,7 +76,7 @@ async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailu
         return MigrationFailure('timeout', f'not done within {MIGRATION_TIMEOUT_S:g} s '
                                            '(LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S)')
     if transfer.cancelled():
-        return MigrationFailure('cancelled', 'the transfer was cancelled')
+        return MigrationFailure('cancelled', 'cancelled before it ended (its link was closed by a re-link or a drop?)')
     error = transfer.exception()
     if error is None:
         return None
@@ -122,14 +122,6 @@ def _fail(loop: Any, msg: Any, failure: MigrationFailure, respond: Respond, erro
     engine.end_session(session_id)  # its blocks return (but see _quarantine)
     book_of(engine).migration_failed(failure.reason)
     lmdeploy_logger().error('lmdeploy-pdfix: Decode session %s ended with an error: %s', session_id, problem)
-
-
-def coroutine_problem(owner: Any, attribute: str) -> str | None:
-    """Why ``owner.attribute`` is not a coroutine function (an async wrapper could not stand in), or None."""
-    target = getattr(owner, attribute)
-    if not inspect.iscoroutinefunction(wrapped_original(target) or target):
-        return f'{owner.__name__}.{attribute} is not a coroutine function'
-    return None
 
 
 class MigrationFaultsPatch(Patch):

@@ -1,0 +1,299 @@
+"""A Decode node whose KV migration fails or hangs fails that one request and goes on serving (D5, #4965, #4971).
+
+These tests run LMDeploy's real ``EngineLoop`` migration loop and response loop (``migration_loop``,
+``_migration_loop_process_ready``, ``_migration_loop_get_outputs``, ``send_response_loop``) over its real
+``Scheduler`` and ``RequestManager``. A request arrives as ``Engine._add_message`` adds a migration request
+(a session, a sequence with its ``migration_request``, the client's ``Response``) and its client waits on
+that response, as ``EngineInstance`` does. Only what needs a GPU or a second node is a stand-in: the RDMA
+copy (``executor.migrate``), and, except in the last test, the ZMQ link that tells the Prefill node to free
+its cache (the last test uses LMDeploy's real link to a real, linked Prefill node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from lmdeploy.messages import ResponseType
+from lmdeploy.pytorch.disagg.config import EngineRole
+from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol, MigrationRequest
+from lmdeploy.pytorch.engine.request import RequestManager, Response
+from lmdeploy.pytorch.messages import MessageStatus, SchedulerSequence
+
+from lmdeploy_pdfix.patches import engine_conn as engine_conn_patch
+from lmdeploy_pdfix.patches import engine_loop as engine_loop_patch
+from lmdeploy_pdfix.patches._node_book import book_of
+from tests.test_engine_connections import (
+    BLOCK_SIZE,
+    DECODE_URL,
+    NUM_GPU_BLOCKS,
+    PREFILL_URL,
+    Node,
+    bare_engine,
+    destroy,
+    eventually,
+    initialize,
+    link,
+    make_node,
+    make_scheduler,
+    other_tasks_done,
+    owner,
+    zmq_contexts,  # noqa: F401  (a fixture the last test uses)
+)
+
+ANSWER_TIMEOUT_S = 2.0  # a healthy stand-in migration answers in milliseconds
+MIGRATION_TIMEOUT_S = 0.3
+PROMPT_TOKENS = 40
+PROMPT_BLOCKS = math.ceil(PROMPT_TOKENS / BLOCK_SIZE)
+FIRST_TOKEN = 42
+
+
+class StandInTransfers:
+    """``executor.migrate``: the RDMA copy from one Prefill engine, which may fail, hang or work."""
+
+    def __init__(self) -> None:
+        self.failing: dict[str, Exception] = {}
+        self.hanging: set[str] = set()
+        self.unfinished: list[asyncio.Future] = []  # hanging copies, which the test may let end
+        self.copied: list[str] = []
+
+    async def migrate(self, batch: Any) -> None:
+        (remote_engine_id, _block_pairs), = batch.requests
+        if remote_engine_id in self.failing:
+            raise self.failing[remote_engine_id]
+        if remote_engine_id in self.hanging:
+            # #4971: an awaited future nobody completes
+            self.unfinished.append(asyncio.get_running_loop().create_future())
+            await self.unfinished[-1]
+        self.copied.append(remote_engine_id)
+
+
+class StandInLink:
+    """The Decode node's ZMQ link: records each free it sends to a Prefill node, or fails it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.frees: list[tuple[str, int]] = []
+        self.failing: dict[str, Exception] = {}
+
+    async def zmq_send(self, remote_engine_id: str, remote_session_id: int) -> None:
+        if remote_engine_id in self.failing:
+            raise self.failing[remote_engine_id]
+        self.frees.append((remote_engine_id, remote_session_id))
+
+
+@dataclass
+class DecodeNode:
+    loop: Any  # lmdeploy's EngineLoop
+    transfers: StandInTransfers
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    next_session: int = 1
+
+    @property
+    def scheduler(self) -> Any:
+        return self.loop.scheduler
+
+    @property
+    def engine(self) -> Any:
+        return self.loop.engine_conn.engine
+
+    def start(self) -> None:
+        self.tasks = [asyncio.ensure_future(self.loop.migration_loop()),
+                      asyncio.ensure_future(self.loop.send_response_loop())]
+
+    @property
+    def migration_loop(self) -> asyncio.Task:
+        return self.tasks[0]
+
+    def receive(self, prefill: str, prefill_session: int, *, num_prefill_blocks: int = PROMPT_BLOCKS,
+                dummy: bool = False) -> SchedulerSequence:
+        """A request the proxy migrates from ``prefill``, added as ``Engine._add_message`` adds it."""
+        request = MigrationRequest(protocol=MigrationProtocol.RDMA, remote_engine_id=prefill,
+                                   remote_session_id=prefill_session, remote_token_id=FIRST_TOKEN,
+                                   remote_block_ids=list(range(num_prefill_blocks)), is_dummy_prefill=dummy)
+        session = self.scheduler.add_session(self.next_session)
+        self.next_session += 1
+        seq = session.add_sequence(np.arange(PROMPT_TOKENS), migration_request=request)
+        seq.resp = Response(type=ResponseType.INTERNAL_ENGINE_ERROR, sender_id=0, event=asyncio.Event())
+        self.loop.migration_event.set()
+        return seq
+
+    async def answer(self, seq: SchedulerSequence) -> Response:
+        """What the request's client gets first, as ``EngineInstance`` waits for it."""
+        waiting = asyncio.ensure_future(seq.resp.event.wait())
+        try:
+            await asyncio.wait({waiting, self.migration_loop}, timeout=ANSWER_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if not seq.resp.event.is_set():
+            loop = self.migration_loop
+            ended = f'the migration loop ended: {loop.exception()!r}' if loop.done() else 'the migration loop hangs'
+            pytest.fail(f'session {seq.session_id} got no answer within {ANSWER_TIMEOUT_S} s; {ended}')
+        return seq.resp
+
+    def free_blocks(self) -> int:
+        return self.scheduler.block_manager.get_num_free_gpu_blocks()
+
+
+def make_decode_node(loop_module: ModuleType, link: Callable[[Any], Any] = StandInLink) -> DecodeNode:
+    scheduler = make_scheduler()
+    transfers = StandInTransfers()
+    collaborators = dict(req_manager=RequestManager(), scheduler=scheduler, executor=transfers,
+                         seq_strategy=None,
+                         inputs_maker=SimpleNamespace(has_pending_long_context_chunk=lambda: False),
+                         config=loop_module.EngineLoopConfig(role=EngineRole.Decode),
+                         engine_conn=link(bare_engine(scheduler)),
+                         state_checkpoints=getattr(scheduler, 'state_checkpoints', None))  # 0.18 only
+    parameters = inspect.signature(loop_module.EngineLoop).parameters
+    loop = loop_module.EngineLoop(**{key: value for key, value in collaborators.items() if key in parameters})
+    return DecodeNode(loop, transfers)
+
+
+def is_answered_with_first_token(resp: Response) -> bool:
+    return resp.type == ResponseType.SUCCESS and list(resp.data['token_ids']) == [FIRST_TOKEN]
+
+
+@pytest.fixture
+def loop_module(apply_patch: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.setattr(engine_loop_patch, 'MIGRATION_TIMEOUT_S', MIGRATION_TIMEOUT_S)
+    return apply_patch('migration_faults')
+
+
+@pytest.fixture
+async def decode(loop_module: ModuleType) -> AsyncIterator[DecodeNode]:
+    node = make_decode_node(loop_module)
+    yield node
+    for unfinished in node.transfers.unfinished:
+        unfinished.cancel()
+    await other_tasks_done()
+
+
+FAULTS = {
+    'transfer error': lambda node: node.transfers.failing.update({'prefill-a': RuntimeError('RDMA read failed')}),
+    'free not sent': lambda node: node.loop.engine_conn.failing.update({'prefill-a': TimeoutError('no peer')}),
+}
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('fault', FAULTS)
+async def test_a_failed_migration_fails_its_own_request_only(decode: DecodeNode, fault: str) -> None:
+    FAULTS[fault](decode)
+    failing = decode.receive('prefill-a', 11)
+    fine = decode.receive('prefill-b', 12)
+    decode.start()
+
+    failed = await decode.answer(failing)
+    answered = await decode.answer(fine)
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+    assert 'KV cache migration from Prefill engine prefill-a (session 11) failed' in failed.err_msg
+    assert failing.session_id not in decode.scheduler.sessions, 'the failed Decode session was kept'
+    assert is_answered_with_first_token(answered)
+    assert fine.status == MessageStatus.MIGRATION_DONE
+    assert decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, 'only the migrated request holds blocks'
+    assert decode.loop.engine_conn.frees == [('prefill-b', 12)]
+    assert sum(book_of(decode.engine).migration_failures.values()) == 1
+
+
+@pytest.mark.regression
+async def test_a_block_count_mismatch_fails_its_request_only(decode: DecodeNode) -> None:
+    # #4965: a hand-made migration_request, or Prefill and Decode with different block sizes
+    mismatched = decode.receive('prefill-a', 11, num_prefill_blocks=PROMPT_BLOCKS - 1)
+    fine = decode.receive('prefill-b', 12)
+    decode.start()
+
+    failed = await decode.answer(mismatched)
+    answered = await decode.answer(fine)
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+    lmdeploy_says = f'#prefill block ids ({PROMPT_BLOCKS - 1}) must equal to #decode block ids ({PROMPT_BLOCKS})'
+    assert lmdeploy_says in failed.err_msg
+    assert is_answered_with_first_token(answered)
+    assert decode.transfers.copied == ['prefill-b'], 'nothing was copied for the mismatched request'
+    assert book_of(decode.engine).migration_failures == {'AssertionError': 1}
+
+
+@pytest.mark.regression
+async def test_the_decode_node_serves_later_requests_after_a_failed_migration(decode: DecodeNode) -> None:
+    decode.transfers.failing['prefill-a'] = RuntimeError('RDMA read failed')
+    decode.start()
+    assert (await decode.answer(decode.receive('prefill-a', 11))).type == ResponseType.INTERNAL_ENGINE_ERROR
+
+    later = [decode.receive('prefill-b', 20 + n) for n in range(3)]
+
+    for seq in later:
+        assert is_answered_with_first_token(await decode.answer(seq))
+    assert not decode.migration_loop.done()
+    assert decode.loop.engine_conn.frees == [('prefill-b', 20), ('prefill-b', 21), ('prefill-b', 22)]
+
+
+@pytest.mark.regression
+async def test_a_hung_migration_fails_at_the_deadline_and_its_blocks_wait_for_the_transfer(
+        decode: DecodeNode) -> None:
+    decode.transfers.hanging.add('prefill-a')
+    hung = decode.receive('prefill-a', 11)
+    fine = decode.receive('prefill-b', 12)
+    decode.start()
+
+    failed = await decode.answer(hung)
+    answered = await decode.answer(fine)
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+    assert 'timeout: not done within 0.3 s' in failed.err_msg
+    assert is_answered_with_first_token(answered)
+    assert hung.session_id not in decode.scheduler.sessions
+    assert book_of(decode.engine).migration_failures == {'timeout': 1}
+    # the copy given up on may still write its blocks: nobody else gets them until it ends
+    assert decode.free_blocks() == NUM_GPU_BLOCKS - 2 * PROMPT_BLOCKS
+    decode.transfers.unfinished[0].set_result(None)
+    assert await eventually(lambda: decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS)
+
+
+async def test_a_dummy_prefill_is_left_to_lmdeploy(decode: DecodeNode) -> None:
+    dummy = decode.receive('prefill-a', 11, dummy=True)
+    decode.start()
+
+    assert is_answered_with_first_token(await decode.answer(dummy))
+    assert decode.transfers.copied == []
+    assert decode.loop.engine_conn.frees == []
+
+
+@pytest.mark.regression
+async def test_a_free_no_prefill_takes_fails_its_request_and_the_prefill_cache_of_the_next_is_released(
+        apply_patch: Callable[[str], ModuleType], loop_module: ModuleType, monkeypatch: pytest.MonkeyPatch,
+        zmq_contexts: list[Any]) -> None:  # noqa: F811
+    conn_module = apply_patch('engine_connections')
+    monkeypatch.setattr(engine_conn_patch, 'ZMQ_SEND_TIMEOUT_S', MIGRATION_TIMEOUT_S)
+    monkeypatch.setattr(engine_loop_patch, 'MIGRATION_TIMEOUT_S', 10 * MIGRATION_TIMEOUT_S)
+    prefill = make_node(conn_module, PREFILL_URL)
+    gone = 'http://127.0.0.1:23003'  # a Prefill node that died: the Decode's link to it has no peer
+    decode = make_decode_node(loop_module, link=conn_module.EngineP2PConnection)
+    decode_end = Node(DECODE_URL, decode.engine, decode.loop.engine_conn)
+    link(prefill, decode_end)
+    initialize(decode_end, make_node(conn_module, gone))
+    prefill.preserve(owner(12))
+    try:
+        lost = decode.receive(gone, owner(11))
+        fine = decode.receive(PREFILL_URL, owner(12))
+        decode.start()
+
+        failed = await decode.answer(lost)
+        answered = await decode.answer(fine)
+
+        assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+        assert 'took no free of its session' in failed.err_msg
+        assert is_answered_with_first_token(answered)
+        assert await eventually(lambda: owner(12) not in prefill.scheduler.sessions), 'the Prefill cache was kept'
+        assert book_of(prefill.engine).releases == {'migrated': 1}
+        assert book_of(decode.engine).migration_failures == {'CacheFreeNotSent': 1}
+    finally:
+        await other_tasks_done()
+        destroy(zmq_contexts)  # now: the nodes holding the sockets go with this frame
