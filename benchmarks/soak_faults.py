@@ -2,8 +2,11 @@
 
 Mixed completions / chat / streaming chat, ``--concurrency`` at a time. A share of the requests is faulty:
 clients that give up before the answer or drop a stream after its first event, and requests the Prefill
-node rejects (``top_p`` out of range). On top, the Decode node is killed and restarted ``--decode-restarts``
-times while traffic runs. At the end the Prefill's preserved sessions and free KV blocks are compared with
+node rejects (``top_p`` out of range). ``--engine-fault-rate`` adds engine-side faults (issue 5): a KV
+transfer that fails, a preserved Prefill request dropped while the engine is busy (D4), a hand-made
+``migration_request`` (D5), a Prefill cache nobody takes (reclaimed after the orphan TTL) and a free of an
+unknown owner (D15). On top, the Decode node is killed and restarted ``--decode-restarts`` times while
+traffic runs. At the end the Prefill's preserved sessions and free KV blocks are compared with
 their baseline and the proxy's books (``/distserve/pdfix/audit``) must be closed; node state is sampled
 throughout into a CSV and a PNG plot. ``--stock`` runs LMDeploy as released, for contrast.
 """
@@ -21,11 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, http_json
+from lmdeploy_pdfix.sim import client, faults
+from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster, ClusterConfig, http_json
 from lmdeploy_pdfix.soak import Sampler, discover_nodes, percentile, write_samples
 
-FAULTS = ('gives_up', 'drops_stream', 'prefill_rejects')
+CLIENT_FAULTS = ('gives_up', 'drops_stream', 'prefill_rejects')
+ENGINE_FAULTS = ('transfer_fails', 'cancelled_prefill', 'bad_migration', 'orphan', 'unknown_free')
+FAULTS = CLIENT_FAULTS + ENGINE_FAULTS
+ORPHAN_TTL_S = 5.0  # short, so the soak's orphans are reclaimed before it ends
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--requests', type=int, default=10_000)
     parser.add_argument('--concurrency', type=int, default=4)
     parser.add_argument('--fault-rate', type=float, default=0.04, help='share of requests made faulty by the client')
+    parser.add_argument('--engine-fault-rate', type=float, default=0.0, help='share given an engine-side fault')
     parser.add_argument('--decode-restarts', type=int, default=2)
     parser.add_argument('--stock', action='store_true')
     parser.add_argument('--seed', type=int, default=4967)
@@ -40,17 +47,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan(requests: int, fault_rate: float, seed: int) -> list[str | None]:
+def plan(requests: int, fault_rate: float, engine_fault_rate: float, seed: int) -> list[str | None]:
     """The fault (or None) of each request, reproducibly."""
     rng = random.Random(seed)
-    return [rng.choice(FAULTS) if rng.random() < fault_rate else None for _ in range(requests)]
+
+    def one() -> str | None:
+        draw = rng.random()
+        if draw < fault_rate:
+            return rng.choice(CLIENT_FAULTS)
+        return rng.choice(ENGINE_FAULTS) if draw < fault_rate + engine_fault_rate else None
+
+    return [one() for _ in range(requests)]
 
 
 Outcome = tuple[str, int, bool, float, bool]  # category, HTTP status (0: none), correct, latency s, error event
 
 
-def send(proxy: str, index: int, fault: str | None) -> Outcome:
+def send(cluster: Cluster, index: int, fault: str | None) -> Outcome:
     """What became of request ``index``."""
+    if fault in ENGINE_FAULTS:
+        return fault, _engine_fault(cluster, index, fault), False, 0.0, False
+    proxy = cluster.proxy_url
     kind = client.KINDS[index % len(client.KINDS)]
     prompt = client.prompt_for(index)
     if fault == 'gives_up':
@@ -64,6 +81,36 @@ def send(proxy: str, index: int, fault: str | None) -> Outcome:
         result = client.request(proxy, kind, prompt)
     # a 200 stream the Decode broke off carries an error event: an error, not a wrong answer
     return fault or kind, result.status, result.ok, result.latency_s, result.error.startswith('stream error')
+
+
+def _engine_fault(cluster: Cluster, index: int, fault: str) -> int:
+    """Inject ``fault``; the HTTP status of the request that carried it (0: none expected)."""
+    prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
+    if fault == 'transfer_fails':  # the next migration, whichever request it serves, fails
+        cluster.arm_fault(decode, faults.MIGRATE_ERROR)
+        return client.request(cluster.proxy_url, 'completions', client.prompt_for(index)).status
+    if fault == 'cancelled_prefill':  # queued behind a busy engine, then the caller leaves (D4)
+        cluster.arm_fault(prefill, faults.SLOW_PREFILL, '0.3')
+        client.drop_preserved_stream(prefill, index, after_s=0.1)
+        return 0
+    if fault == 'orphan':  # a proxy that died after the Prefill answered
+        return _status('POST', f'{prefill}/v1/completions', client.preserved_prefill_body(index))
+    owner = 2**40 + index  # no node ever issued it
+    if fault == 'bad_migration':
+        migration = {'protocol': 1, 'remote_engine_id': prefill, 'remote_session_id': owner,
+                     'remote_token_id': 1, 'remote_block_ids': [0, 1]}
+        body = {'model': MODEL_NAME, 'prompt': client.prompt_for(index), 'max_tokens': 4,
+                'migration_request': migration}
+        return _status('POST', f'{decode}/v1/completions', body)
+    return _status('POST', f'{prefill}/distserve/free_cache', {'remote_engine_id': decode, 'remote_session_id': owner})
+
+
+def _status(method: str, url: str, body: dict[str, Any]) -> int:
+    try:
+        http_json(method, url, body, timeout=30)
+    except OSError as exc:  # urllib's HTTPError is an OSError with the status
+        return getattr(exc, 'code', 0)
+    return 200
 
 
 class DecodeKiller(threading.Thread):
@@ -91,17 +138,18 @@ class DecodeKiller(threading.Thread):
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     mode = 'stock' if args.stock else 'patched'
-    config = ClusterConfig(stock=args.stock, log_dir=args.out / mode / 'logs', model_dir=args.out / 'model')
+    config = ClusterConfig(stock=args.stock, log_dir=args.out / mode / 'logs', model_dir=args.out / 'model',
+                           env={'LMDEPLOY_PDFIX_ORPHAN_TTL_S': str(ORPHAN_TTL_S)})
     with Cluster(config) as cluster:
         prefill = cluster.prefill_urls[0]
         baseline = cluster.settled_state(prefill)
         sampler = Sampler(discover_nodes(cluster.proxy_url), 1.0)
         progress = [0]
         killer = DecodeKiller(cluster, args.decode_restarts, args.requests, progress)
-        faults = plan(args.requests, args.fault_rate, args.seed)
+        planned = plan(args.requests, args.fault_rate, args.engine_fault_rate, args.seed)
 
         def one(index: int) -> Outcome:
-            outcome = send(cluster.proxy_url, index, faults[index])
+            outcome = send(cluster, index, planned[index])
             progress[0] += 1
             return outcome
 
@@ -115,11 +163,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             killer.stopped.set()
             killer.join()  # before the cluster stops, so no node is restarted behind its back
         elapsed = time.monotonic() - began
+        time.sleep(ORPHAN_TTL_S * 1.5)  # the last orphans are reclaimed
         settled = cluster.settled_state(prefill, timeout_s=60)
+        node_books = {url: _audit(url) for url in (prefill, cluster.decode_urls[0])} if not args.stock else None
         sampler.stop()
         audit = _audit(cluster.proxy_url) if not args.stock else None
     csv_path, png_path = write_samples(sampler.rows, args.out / mode)
-    return _summary(mode, outcomes, elapsed, killer.downtime_s, baseline, settled, audit, csv_path, png_path)
+    summary = _summary(mode, outcomes, elapsed, killer.downtime_s, baseline, settled, audit, csv_path, png_path)
+    return {**summary, 'node_books': node_books}
 
 
 def _audit(proxy: str) -> dict[str, Any] | None:
@@ -138,7 +189,9 @@ def _summary(mode: str, outcomes: list[Outcome], elapsed: float, downtime_s: flo
         'mode': mode,
         'requests': len(outcomes),
         'req_per_s': round(len(outcomes) / elapsed, 2),
-        'client_faults': dict(Counter(category for category, *_ in outcomes if category in FAULTS)),
+        'faults': dict(Counter(category for category, *_ in outcomes if category in FAULTS)),
+        'fault_statuses': dict(Counter(f'{category} {status}' for category, status, *_ in outcomes
+                                       if category in ENGINE_FAULTS)),
         'decode_downtime_s': round(downtime_s, 1),
         'normal_ok': f'{sum(ok for _, _, ok, _, _ in normal)}/{len(normal)}',
         'normal_failed_by_status': dict(Counter(status for _, status, ok, _, _ in normal if not ok)),

@@ -12,7 +12,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lmdeploy_pdfix.sim import client
+from lmdeploy_pdfix.sim import client, faults
 from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, prefill_forwards
 
 MAX_PREFILL = 512
@@ -40,6 +40,10 @@ def _scenarios(cluster: Cluster, mode: str) -> dict[str, str]:
                                                        timeout_s=60), range(BURST)))
     rows[f'burst of {BURST} (mixed)'] = f'{sum(r.ok for r in burst)}/{BURST} ok'
     rows['Prefill sessions left'] = f"{cluster.settled_state(prefill)['sessions'] - baseline}"
+    cluster.arm_fault(cluster.decode_urls[0], faults.MIGRATE_ERROR)  # one KV transfer fails (D5)
+    client.request(proxy, 'completions', client.prompt_for(200), timeout_s=30)
+    after = [client.request(proxy, 'completions', client.prompt_for(201 + i), timeout_s=30) for i in range(3)]
+    rows['one KV transfer fails, then 3 requests'] = f'{sum(r.ok for r in after)}/3 ok'
     # Last: on stock the Prefill keeps re-running the first chunk after this.
     before = prefill_forwards(cluster.node_state(prefill))
     long = client.request(proxy, 'completions', client.prompt_for(7, length=LONG_PROMPT),

@@ -46,7 +46,7 @@ class NodeBooks:
     """What this api_server process knows besides the engine's book: its links and refused migrations."""
 
     def __init__(self) -> None:
-        self.linked_prefills: set[str] = set()
+        self.linked_peers: set[str] = set()
         self.refused_migrations: Counter[str] = Counter()
 
 
@@ -93,7 +93,7 @@ def add_node_routes(router: Any, server_context: Any) -> None:
     async def pdfix_audit() -> dict[str, Any]:
         engine = await engine_call(server_context.async_engine, 'pdfix_audit')
         return {**engine, 'refused_migration_requests': dict(NODE.refused_migrations),
-                'linked_prefills': sorted(NODE.linked_prefills)}
+                'linked_peers': sorted(NODE.linked_peers)}
 
 
 def free_cache_endpoint(server_context: Any):
@@ -110,13 +110,13 @@ def free_cache_endpoint(server_context: Any):
 
 
 def record_link(init_request: Any) -> None:
-    NODE.linked_prefills.add(init_request.remote_engine_id)
+    NODE.linked_peers.add(init_request.remote_engine_id)
 
 
 def forget_link(drop_request: Any) -> None:
     # LMDeploy's route passes one request, its type hint says a list
     for request in drop_request if isinstance(drop_request, list) else [drop_request]:
-        NODE.linked_prefills.discard(request.remote_engine_id)
+        NODE.linked_peers.discard(request.remote_engine_id)
 
 
 async def refused_migration(raw_request: Request, error_response) -> JSONResponse | None:
@@ -137,7 +137,7 @@ async def _migration_problem(migration: dict[str, Any]) -> tuple[int, str | None
     if problem is not None:
         return HTTPStatus.BAD_REQUEST, problem
     prefill = migration.get('remote_engine_id')
-    if prefill not in NODE.linked_prefills:
+    if prefill not in NODE.linked_peers:
         return HTTPStatus.BAD_REQUEST, (f'this Decode node is not linked to Prefill node {prefill!r}; '
                                         'migration requests come from the proxy after it links the pair')
     return await _claim(prefill, owner, block_ids)

@@ -127,3 +127,21 @@ def stream_then_disconnect(proxy_url: str, prompt: str, max_tokens: int, timeout
             with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)  # a real disconnect, not a lingering half-read response
         conn.close()
+
+
+def preserved_prefill_body(index: int, stream: bool = False) -> dict:
+    """A Prefill request that keeps its cache for a Decode node, as the proxy sends it."""
+    return {'model': MODEL_NAME, 'prompt': prompt_for(index), 'max_tokens': 1, 'with_cache': True,
+            'preserve_cache': True, 'stream': stream}
+
+
+def drop_preserved_stream(prefill_url: str, index: int, after_s: float) -> None:
+    """Start a streamed preserved Prefill request and close the connection before any answer: a caller that left."""
+    parts = urllib.parse.urlsplit(prefill_url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request('POST', '/v1/completions', json.dumps(preserved_prefill_body(index, stream=True)),
+                     {'Content-Type': 'application/json'})
+        time.sleep(after_s)
+    finally:
+        conn.close()

@@ -8,14 +8,11 @@ orphan that nobody frees). A stock engine a fault killed is restarted after its 
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlparse
 
 import pytest
 
@@ -81,14 +78,9 @@ class Traffic:
         assert len(failed) <= allowed_failures, failed[:3]
 
 
-def preserved_body(index: int, **extra: Any) -> dict[str, Any]:
-    return {'model': MODEL_NAME, 'prompt': client.prompt_for(index), 'max_tokens': 1, 'with_cache': True,
-            'preserve_cache': True, **extra}
-
-
 def preserve_directly(cluster: Cluster, index: int) -> Answer:
     """A Prefill request that keeps its cache, as the proxy sends it, from a proxy that then goes away."""
-    answer = post(f'{cluster.prefill_urls[0]}/v1/completions', preserved_body(index))
+    answer = post(f'{cluster.prefill_urls[0]}/v1/completions', client.preserved_prefill_body(index))
     assert answer.status == 200, answer
     return answer
 
@@ -135,16 +127,6 @@ def restart(cluster: Cluster, url: str) -> None:
     cluster.restart_node(url)
 
 
-def open_and_drop_stream(url: str, body: dict[str, Any], after_s: float) -> None:
-    """Start a streamed request and close the connection before any answer: a caller that went away."""
-    address = urlparse(url)
-    conn = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
-    conn.request('POST', '/v1/completions', json.dumps({**body, 'stream': True}),
-                 {'Content-Type': 'application/json'})
-    time.sleep(after_s)
-    conn.close()
-
-
 # ---------------------------------------------------------------------------------------------- D4
 
 
@@ -157,7 +139,7 @@ def test_a_preserved_prefill_request_cancelled_while_queued_leaves_the_engine_se
         busy = threading.Thread(target=preserve_directly, args=(cluster, 11))
         busy.start()
         time.sleep(0.5)
-        open_and_drop_stream(prefill, preserved_body(12), after_s=0.3)
+        client.drop_preserved_stream(prefill, 12, after_s=0.3)
         busy.join()
         time.sleep(0.5)
     if mode == 'stock':
