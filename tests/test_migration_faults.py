@@ -139,6 +139,17 @@ class DecodeNode:
             pytest.fail(f'session {seq.session_id} got no answer within {ANSWER_TIMEOUT_S} s; {ended}')
         return seq.resp
 
+    async def serve_one_from_each(self, **failing_request: Any) -> tuple[SchedulerSequence, SchedulerSequence,
+                                                                         Response, Response]:
+        """A request from Prefill a (``failing_request`` shapes it) and a normal one from Prefill b, answered.
+
+        Returns both sequences, then both answers.
+        """
+        first = self.receive('prefill-a', 11, **failing_request)
+        second = self.receive('prefill-b', 12)
+        self.start()
+        return first, second, await self.answer(first), await self.answer(second)
+
     def free_blocks(self) -> int:
         return self.scheduler.block_manager.get_num_free_gpu_blocks()
 
@@ -186,12 +197,7 @@ FAULTS = {
 @pytest.mark.parametrize('fault', FAULTS)
 async def test_a_failed_migration_fails_its_own_request_only(decode: DecodeNode, fault: str) -> None:
     FAULTS[fault](decode)
-    failing = decode.receive('prefill-a', 11)
-    fine = decode.receive('prefill-b', 12)
-    decode.start()
-
-    failed = await decode.answer(failing)
-    answered = await decode.answer(fine)
+    failing, fine, failed, answered = await decode.serve_one_from_each()
 
     assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
     assert 'KV cache migration from Prefill engine prefill-a (session 11) failed' in failed.err_msg
@@ -206,12 +212,7 @@ async def test_a_failed_migration_fails_its_own_request_only(decode: DecodeNode,
 @pytest.mark.regression
 async def test_a_block_count_mismatch_fails_its_request_only(decode: DecodeNode) -> None:
     # #4965: a hand-made migration_request, or Prefill and Decode with different block sizes
-    mismatched = decode.receive('prefill-a', 11, num_prefill_blocks=PROMPT_BLOCKS - 1)
-    fine = decode.receive('prefill-b', 12)
-    decode.start()
-
-    failed = await decode.answer(mismatched)
-    answered = await decode.answer(fine)
+    _, _, failed, answered = await decode.serve_one_from_each(num_prefill_blocks=PROMPT_BLOCKS - 1)
 
     assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
     lmdeploy_says = f'#prefill block ids ({PROMPT_BLOCKS - 1}) must equal to #decode block ids ({PROMPT_BLOCKS})'
@@ -239,12 +240,7 @@ async def test_the_decode_node_serves_later_requests_after_a_failed_migration(de
 async def test_a_hung_migration_fails_at_the_deadline_and_its_blocks_wait_for_the_transfer(
         decode: DecodeNode) -> None:
     decode.transfers.hanging.add('prefill-a')
-    hung = decode.receive('prefill-a', 11)
-    fine = decode.receive('prefill-b', 12)
-    decode.start()
-
-    failed = await decode.answer(hung)
-    answered = await decode.answer(fine)
+    hung, _, failed, answered = await decode.serve_one_from_each()
 
     assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
     assert 'timeout: not done within 0.3 s' in failed.err_msg
