@@ -91,7 +91,7 @@ def _engine_fault(cluster: Cluster, index: int, fault: str) -> int:
         return client.request(cluster.proxy_url, 'completions', client.prompt_for(index)).status
     if fault == 'cancelled_prefill':  # queued behind a busy engine, then the caller leaves (D4)
         cluster.arm_fault(prefill, faults.SLOW_PREFILL, '0.3')
-        client.drop_preserved_stream(prefill, index, after_s=0.1)
+        client.drop_preserved_stream(prefill, index, wait=lambda: time.sleep(0.1))
         return 0
     if fault == 'orphan':  # a proxy that died after the Prefill answered
         return _status('POST', f'{prefill}/v1/completions', client.preserved_prefill_body(index))

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmdeploy_pdfix.sim import model
@@ -135,13 +136,13 @@ def preserved_prefill_body(index: int, stream: bool = False) -> dict:
             'preserve_cache': True, 'stream': stream}
 
 
-def drop_preserved_stream(prefill_url: str, index: int, after_s: float) -> None:
-    """Start a streamed preserved Prefill request and close the connection before any answer: a caller that left."""
+def drop_preserved_stream(prefill_url: str, index: int, wait: Callable[[], object]) -> None:
+    """Start a streamed preserved Prefill request, ``wait()``, then close the connection: a caller that left."""
     parts = urllib.parse.urlsplit(prefill_url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
     try:
         conn.request('POST', '/v1/completions', json.dumps(preserved_prefill_body(index, stream=True)),
                      {'Content-Type': 'application/json'})
-        time.sleep(after_s)
+        wait()
     finally:
         conn.close()

@@ -202,6 +202,15 @@ class Cluster:
         """Arm a one-shot fault (see :mod:`lmdeploy_pdfix.sim.faults`) in the node serving ``url``."""
         faults.arm(self._faults_dir(self.process(url).name), fault, content)
 
+    def wait_fault_taken(self, url: str, fault: str, timeout_s: float = 10.0) -> None:
+        """Return once the node has reached the faulty step (it took the armed fault)."""
+        path = self._faults_dir(self.process(url).name) / fault
+        deadline = time.monotonic() + timeout_s
+        while path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f'{url} did not reach the armed fault {fault!r} within {timeout_s} s')
+            time.sleep(0.02)
+
     def node_state(self, url: str) -> dict[str, Any]:
         return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5)
 

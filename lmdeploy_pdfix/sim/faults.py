@@ -1,7 +1,7 @@
 """One-shot faults a test arms while traffic runs: a file named after the fault in the node's fault folder.
 
 The engine process takes (deletes) the file when it reaches the faulty step, so each file is one fault:
-``slow_prefill`` (its content: seconds) stalls the next Prefill forward, as a long prompt would on a GPU;
+``slow_prefill`` (its content: seconds) stretches the next Prefill forward, as a long prompt would on a GPU;
 ``migrate_error`` makes the next KV transfer of a Decode node fail, as a dropped RDMA link would.
 """
 

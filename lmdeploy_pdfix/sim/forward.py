@@ -7,11 +7,9 @@ sampling parameters.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from lmdeploy_pdfix.sim import faults, model, state
+from lmdeploy_pdfix.sim import model, state
 
 _LOGIT = 1e4
 _MASK32 = (1 << 32) - 1
@@ -50,7 +48,7 @@ def _slots(signatures: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts, dim=-1)
 
 
-def _kind(inputs) -> str:
+def kind(inputs) -> str:
     if inputs.is_decoding:
         return 'decode'
     return 'chunk' if inputs.is_chunk else 'prefill'
@@ -86,10 +84,7 @@ def run(inputs, cache_engine, hidden_size: int) -> dict:
     hidden = torch.zeros((1, input_ids.numel(), hidden_size), dtype=torch.float32)
     if inputs.is_dummy:
         return {'hidden_states': hidden}
-    kind = _kind(inputs)
-    state.count(f'forwards_{kind}')
-    if kind == 'prefill':
-        time.sleep(float(faults.take(faults.SLOW_PREFILL) or 0))  # blocks the engine, as a busy GPU would
+    state.count(f'forwards_{kind(inputs)}')
     caches = cache_engine.gpu_cache
     k_caches = (caches[0][0], caches[-1][0])
     start = 0

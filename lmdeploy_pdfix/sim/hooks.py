@@ -7,6 +7,7 @@ Mooncake's NIC discovery. Everything else (engine, scheduler, migration, transfe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -168,6 +169,9 @@ def substitute_model_agent(agent: ModuleType) -> None:
         self.build_model_ctx = None
 
     async def async_forward(self, inputs, cache_inputs=None) -> dict:
+        if not inputs.is_dummy and forward.kind(inputs) == 'prefill':
+            # a slow forward awaits, as LMDeploy awaits a GPU: the engine keeps taking requests meanwhile
+            await asyncio.sleep(float(faults.take(faults.SLOW_PREFILL) or 0))
         return forward.run(inputs, self.cache_engine, self.model_config.hidden_size)
 
     cls._build_model = build_model

@@ -51,6 +51,7 @@ class Traffic:
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.results: list[client.Result] = []
+        self.paused = threading.Lock()  # held by a fault that needs the engine to itself for a moment
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -58,8 +59,9 @@ class Traffic:
         index = 1000
         while not self._stop.is_set():
             index += 1
-            self.results.append(client.request(self.cluster.proxy_url, 'completions', client.prompt_for(index),
-                                               timeout_s=30))
+            with self.paused:
+                result = client.request(self.cluster.proxy_url, 'completions', client.prompt_for(index), timeout_s=30)
+            self.results.append(result)
 
     def __enter__(self) -> Traffic:
         self._thread.start()
@@ -131,19 +133,21 @@ def restart(cluster: Cluster, url: str) -> None:
 
 
 @pytest.mark.regression
-def test_a_preserved_prefill_request_cancelled_while_queued_leaves_the_engine_serving(cluster: Cluster,
-                                                                                      mode: str) -> None:
+def test_a_preserved_prefill_request_cancelled_in_the_engine_leaves_it_serving(cluster: Cluster, mode: str) -> None:
     prefill = cluster.prefill_urls[0]
     with Traffic(cluster) as traffic:
-        cluster.arm_fault(prefill, faults.SLOW_PREFILL, '2')  # the engine is busy, the next request queues
-        busy = threading.Thread(target=preserve_directly, args=(cluster, 11))
-        busy.start()
         time.sleep(0.5)
-        client.drop_preserved_stream(prefill, 12, after_s=0.3)
-        busy.join()
+        with traffic.paused:  # the slow forward must be this test's, not a traffic request's
+            cluster.arm_fault(prefill, faults.SLOW_PREFILL, '2')
+            busy = threading.Thread(target=post, args=(f'{prefill}/v1/completions', client.preserved_prefill_body(11)))
+            busy.start()
+            cluster.wait_fault_taken(prefill, faults.SLOW_PREFILL)
+            # the next preserved request is in the engine, waiting for the forward; then its caller leaves
+            client.drop_preserved_stream(prefill, 12, wait=lambda: time.sleep(0.5))
+            busy.join()
         time.sleep(0.5)
     if mode == 'stock':
-        # D4: END_SESSION on the queued preserved request calls finish() on a STOPPED sequence
+        # D4: the END_SESSION after the STOP calls finish() on a STOPPED preserved sequence
         assert fails_to_serve(cluster)
         restart(cluster, prefill)
         return
