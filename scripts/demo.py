@@ -45,7 +45,7 @@ def _scenarios(cluster: Cluster, mode: str) -> dict[str, str]:
     after = [client.request(proxy, 'completions', client.prompt_for(201 + i), timeout_s=30) for i in range(3)]
     rows['one KV transfer fails, then 3 requests'] = f'{sum(r.ok for r in after)}/3 ok'
     # Last: on stock the Prefill keeps re-running the first chunk after this.
-    before = prefill_forwards(cluster.node_state(prefill))
+    before = prefill_forwards(cluster.settled_state(prefill))
     long = client.request(proxy, 'completions', client.prompt_for(7, length=LONG_PROMPT),
                           timeout_s=8 if mode == 'stock' else 60)
     forwards = prefill_forwards(cluster.node_state(prefill)) - before
