@@ -119,10 +119,16 @@ def forget_link(drop_request: Any) -> None:
         NODE.linked_peers.discard(request.remote_engine_id)
 
 
+async def migration_request_of(raw_request: Request) -> dict[str, Any] | None:
+    """The request's ``migration_request`` as sent, or None (Starlette caches the body for LMDeploy's own read)."""
+    migration = (await raw_request.json()).get('migration_request')
+    return migration if isinstance(migration, dict) else None
+
+
 async def refused_migration(raw_request: Request, error_response) -> JSONResponse | None:
     """The 4xx answer for a ``migration_request`` this Decode node must not start, or None to go ahead."""
-    migration = (await raw_request.json()).get('migration_request')
-    if not isinstance(migration, dict) or migration.get('is_dummy_prefill'):
+    migration = await migration_request_of(raw_request)
+    if migration is None or migration.get('is_dummy_prefill'):
         return None
     status, problem = await _migration_problem(migration)
     if problem is None:

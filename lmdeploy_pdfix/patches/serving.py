@@ -48,6 +48,7 @@ from lmdeploy_pdfix.patches._node_routes import (
     engine_book_available,
     forget_link,
     free_cache_endpoint,
+    migration_request_of,
     record_link,
     refused_migration,
 )
@@ -167,8 +168,8 @@ def _reporting_owner(path: str, server_context):
 
 
 async def _is_dummy_prefill(raw_request: Any) -> bool:
-    migration = (await raw_request.json()).get('migration_request')
-    return isinstance(migration, dict) and migration.get('is_dummy_prefill') is True
+    migration = await migration_request_of(raw_request)
+    return migration is not None and migration.get('is_dummy_prefill') is True
 
 
 def _marked_dummy(response: Any) -> Any:
