@@ -1,14 +1,14 @@
 """Soak a GPU-free 1P+1D cluster with injected faults; every Prefill must end with nothing retained.
 
-Mixed completions / chat / streaming chat, ``--concurrency`` at a time. A share of the requests is faulty:
-clients that give up before the answer or drop a stream after its first event, and requests the Prefill
-node rejects (``top_p`` out of range). ``--engine-fault-rate`` adds engine-side faults (issue 5): a KV
-transfer that fails, a preserved Prefill request dropped while the engine is busy (D4), a hand-made
-``migration_request`` (D5), a Prefill cache nobody takes (reclaimed after the orphan TTL) and a free of an
-unknown owner (D15). On top, the Decode node is killed and restarted ``--decode-restarts`` times while
-traffic runs. At the end the Prefill's preserved sessions and free KV blocks are compared with
-their baseline and the proxy's books (``/distserve/pdfix/audit``) must be closed; node state is sampled
-throughout into a CSV and a PNG plot. ``--stock`` runs LMDeploy as released, for contrast.
+Mixed completions / chat / streamed chat and completions, ``--concurrency`` at a time. A share of the requests is
+faulty: the client faults of :mod:`lmdeploy_pdfix.sim.chaos` (clients that leave right after sending, after the
+first chunk or mid-stream, give up, or send what the Prefill rejects). ``--engine-fault-rate`` adds engine-side
+faults (issue 5): a KV transfer that fails, a preserved Prefill request dropped while the engine is busy (D4), a
+hand-made ``migration_request`` (D5), a Prefill cache nobody takes (reclaimed after the orphan TTL) and a free of
+an unknown owner (D15). On top, the Decode node is killed and restarted ``--decode-restarts`` times while traffic
+runs. At the end the Prefill's preserved sessions and free KV blocks are compared with their baseline and the
+proxy's books (``/distserve/pdfix/audit``) must be closed; node state is sampled throughout into a CSV and a PNG
+plot. ``--stock`` runs LMDeploy as released, for contrast.
 """
 
 from __future__ import annotations
@@ -17,20 +17,17 @@ import argparse
 import json
 import random
 import sys
-import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim import client, faults
+from lmdeploy_pdfix.sim import chaos, client, faults
+from lmdeploy_pdfix.sim.chaos import CLIENT_FAULTS, Outcome
 from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster, ClusterConfig, http_json
 from lmdeploy_pdfix.soak import Sampler, discover_nodes, percentile, write_samples
 
-CLIENT_FAULTS = ('gives_up', 'drops_stream', 'prefill_rejects')
 ENGINE_FAULTS = ('transfer_fails', 'cancelled_prefill', 'bad_migration', 'orphan', 'unknown_free')
-FAULTS = CLIENT_FAULTS + ENGINE_FAULTS
 ORPHAN_TTL_S = 5.0  # short, so the soak's orphans are reclaimed before it ends
 
 
@@ -60,27 +57,11 @@ def plan(requests: int, fault_rate: float, engine_fault_rate: float, seed: int) 
     return [one() for _ in range(requests)]
 
 
-Outcome = tuple[str, int, bool, float, bool]  # category, HTTP status (0: none), correct, latency s, error event
-
-
 def send(cluster: Cluster, index: int, fault: str | None) -> Outcome:
     """What became of request ``index``."""
     if fault in ENGINE_FAULTS:
-        return fault, _engine_fault(cluster, index, fault), False, 0.0, False
-    proxy = cluster.proxy_url
-    kind = client.KINDS[index % len(client.KINDS)]
-    prompt = client.prompt_for(index)
-    if fault == 'gives_up':
-        result = client.request(proxy, 'completions', prompt, max_tokens=64, timeout_s=0.05)
-    elif fault == 'drops_stream':
-        status, _ = client.stream_then_disconnect(proxy, prompt, max_tokens=64, timeout_s=30)
-        return fault, status, False, 0.0, False
-    elif fault == 'prefill_rejects':
-        result = client.request(proxy, kind, prompt, extra={'top_p': 2.0})
-    else:
-        result = client.request(proxy, kind, prompt)
-    # a 200 stream the Decode broke off carries an error event: an error, not a wrong answer
-    return fault or kind, result.status, result.ok, result.latency_s, result.error.startswith('stream error')
+        return Outcome(fault, _engine_fault(cluster, index, fault), False, 0.0)
+    return chaos.send(cluster.proxy_url, index, fault)
 
 
 def _engine_fault(cluster: Cluster, index: int, fault: str) -> int:
@@ -113,29 +94,6 @@ def _status(method: str, url: str, body: dict[str, Any]) -> int:
     return 200
 
 
-class DecodeKiller(threading.Thread):
-    """Kills and restarts the Decode node when the load reaches evenly spaced marks."""
-
-    def __init__(self, cluster: Cluster, restarts: int, total: int, progress: list[int]) -> None:
-        super().__init__(name='decode-killer', daemon=True)
-        self.cluster, self.progress = cluster, progress
-        self.marks = [total * (i + 1) // (restarts + 1) for i in range(restarts)]
-        self.downtime_s = 0.0
-        self.stopped = threading.Event()  # set when the load ends early: never restart a node after that
-
-    def run(self) -> None:
-        decode = self.cluster.decode_urls[0]
-        for mark in self.marks:
-            while self.progress[0] < mark:
-                if self.stopped.wait(0.2):
-                    return
-            began = time.monotonic()
-            self.cluster.stop_node(decode)
-            time.sleep(1.0)  # requests now meet a dead Decode
-            self.cluster.restart_node(decode)
-            self.downtime_s += time.monotonic() - began
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     mode = 'stock' if args.stock else 'patched'
     config = ClusterConfig(stock=args.stock, log_dir=args.out / mode / 'logs', model_dir=args.out / 'model',
@@ -144,32 +102,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prefill = cluster.prefill_urls[0]
         baseline = cluster.settled_state(prefill)
         sampler = Sampler(discover_nodes(cluster.proxy_url), 1.0)
-        progress = [0]
-        killer = DecodeKiller(cluster, args.decode_restarts, args.requests, progress)
+        restarts = chaos.DecodeRestarts(lambda: cluster.bounce(cluster.decode_urls[0]), args.decode_restarts,
+                                        args.requests, args.seed)
         planned = plan(args.requests, args.fault_rate, args.engine_fault_rate, args.seed)
-
-        def one(index: int) -> Outcome:
-            outcome = send(cluster, index, planned[index])
-            progress[0] += 1
-            return outcome
-
         sampler.start()
-        killer.start()
-        began = time.monotonic()
-        try:
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                outcomes = list(pool.map(one, range(args.requests)))
-        finally:
-            killer.stopped.set()
-            killer.join()  # before the cluster stops, so no node is restarted behind its back
-        elapsed = time.monotonic() - began
+        outcomes, elapsed = chaos.run_load(lambda index: send(cluster, index, planned[index]), args.requests,
+                                           args.concurrency, restarts)
         time.sleep(ORPHAN_TTL_S * 1.5)  # the last orphans are reclaimed
         settled = cluster.settled_state(prefill, timeout_s=60)
         node_books = {url: _audit(url) for url in (prefill, cluster.decode_urls[0])} if not args.stock else None
         sampler.stop()
         audit = _audit(cluster.proxy_url) if not args.stock else None
     csv_path, png_path = write_samples(sampler.rows, args.out / mode)
-    summary = _summary(mode, outcomes, elapsed, killer.downtime_s, baseline, settled, audit, csv_path, png_path)
+    summary = _summary(mode, outcomes, elapsed, restarts.downtime_s, baseline, settled, audit, csv_path, png_path)
     return {**summary, 'node_books': node_books}
 
 
@@ -183,20 +128,14 @@ def _audit(proxy: str) -> dict[str, Any] | None:
 def _summary(mode: str, outcomes: list[Outcome], elapsed: float, downtime_s: float,
              baseline: dict[str, Any], settled: dict[str, Any], audit: dict[str, Any] | None,
              csv_path: Path, png_path: Path | None) -> dict[str, Any]:
-    normal = [outcome for outcome in outcomes if outcome[0] in client.KINDS]
-    latencies = [latency * 1000 for _, _, ok, latency, _ in normal if ok]
+    latencies = [outcome.latency_s * 1000 for outcome in outcomes if outcome.exact]
     return {
         'mode': mode,
-        'requests': len(outcomes),
         'req_per_s': round(len(outcomes) / elapsed, 2),
-        'faults': dict(Counter(category for category, *_ in outcomes if category in FAULTS)),
-        'fault_statuses': dict(Counter(f'{category} {status}' for category, status, *_ in outcomes
-                                       if category in ENGINE_FAULTS)),
+        **chaos.summarize(outcomes),
+        'engine_fault_statuses': dict(Counter(f'{outcome.category} {outcome.status}' for outcome in outcomes
+                                              if outcome.category in ENGINE_FAULTS)),
         'decode_downtime_s': round(downtime_s, 1),
-        'normal_ok': f'{sum(ok for _, _, ok, _, _ in normal)}/{len(normal)}',
-        'normal_failed_by_status': dict(Counter(status for _, status, ok, _, _ in normal if not ok)),
-        'streams_ended_by_error_event': sum(status == 200 and broken for _, status, _, _, broken in normal),
-        'wrong_text_200': sum(status == 200 and not ok and not broken for _, status, ok, _, broken in normal),
         'p50_ms': round(percentile(latencies, 50), 1),
         'p99_ms': round(percentile(latencies, 99), 1),
         'prefill_sessions_before_after': (baseline['sessions'], settled['sessions']),

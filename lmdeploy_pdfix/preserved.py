@@ -68,6 +68,7 @@ class PreservedBook:
         self.frees: Counter[str] = Counter()
         self.claims: Counter[str] = Counter()
         self.migration_failures: Counter[str] = Counter()
+        self.migrations_aborted = 0  # Decode requests whose client left before or during their migration
 
     def preserve(self, owner: int, block_ids: Sequence[int]) -> None:
         now = self._clock()
@@ -108,6 +109,9 @@ class PreservedBook:
     def migration_failed(self, reason: str) -> None:
         self.migration_failures[reason] += 1
 
+    def migration_aborted(self) -> None:
+        self.migrations_aborted += 1
+
     def audit(self) -> dict[str, Any]:
         now = self._clock()
         ages = [now - cache.preserved_at for cache in self._caches.values()]
@@ -120,6 +124,7 @@ class PreservedBook:
             'frees_not_released': dict(self.frees),
             'claims': dict(self.claims),
             'migration_failures': dict(self.migration_failures),
+            'migrations_aborted': self.migrations_aborted,
         }
 
     def _judge_release(self, owner: int, session_exists: bool) -> Answer:

@@ -4,23 +4,31 @@ Sends N requests (C at a time, a mix of completions, chat and streaming chat), c
 where the nodes run the emulated model, and reports success counts and latency percentiles. Nodes that
 expose the sim state endpoint are sampled while it runs: Prefill/Decode sessions, free KV blocks and RSS go
 to a CSV and a PNG plot.
+
+``--chaos`` makes clients behave as they do under real load (:mod:`lmdeploy_pdfix.sim.chaos`): a share of
+them leave right after sending, after the first chunk or mid-stream, give up, or send what the Prefill
+rejects, at random; ``--decode-restarts`` kills and restarts the Decode node of the cluster ``sim up``
+recorded at random points. It then checks what an operator needs: no answer with HTTP 200 and a wrong text,
+no Prefill session left, every node healthy and registered, and 10 of 10 requests exact afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import STATE_ROUTE, http_json
+from lmdeploy_pdfix.sim import chaos, client
+from lmdeploy_pdfix.sim.cluster import STATE_ROUTE, Cluster, http_json
 
 SAMPLE_FIELDS = ('t_s', 'node', 'role', 'sessions', 'free_blocks', 'api_server_rss_mb', 'engine_rss_mb')
 
@@ -37,6 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--out', type=Path, default=Path('artifacts/soak'), help='directory for CSV and PNG')
     parser.add_argument('--no-text-check', action='store_true',
                         help='count any HTTP 200 as success (nodes not running the emulated model)')
+    parser.add_argument('--chaos', action='store_true', help='misbehaving clients at random (see above)')
+    parser.add_argument('--fault-rate', type=float, default=0.15, help='--chaos: share of misbehaving clients')
+    parser.add_argument('--seed', type=int, default=9, help='--chaos: which clients misbehave, and when')
+    parser.add_argument('--decode-restarts', type=int, default=0,
+                        help='--chaos: Decode kills and restarts, at random points (a cluster `sim up` recorded)')
+    parser.add_argument('--cluster-file', type=Path, default=Path('.sim/cluster.json'),
+                        help='the record `sim up` wrote, for --decode-restarts')
     return parser
 
 
@@ -159,8 +174,81 @@ def plot_samples(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+SETTLE_S = 30.0  # how long the Prefill may take to release the last caches after the load
+AFTERWARDS = 10  # requests that must all be exact once the chaos is over
+
+
+def run_chaos(args: argparse.Namespace, nodes: dict[str, str],
+              restart_decode: Callable[[], None] | None) -> dict[str, Any]:
+    """The chaos load, then the operator's checks; the summary's ``clean`` says whether all passed.
+
+    ``nodes``: url → role; ``restart_decode`` kills and restarts the Decode node ``args.decode_restarts`` times.
+    """
+    baseline = {url: _sessions(url) for url, role in nodes.items() if role == 'Prefill'}
+    restarts = None
+    if restart_decode is not None and args.decode_restarts > 0:
+        restarts = chaos.DecodeRestarts(restart_decode, args.decode_restarts, args.requests, args.seed)
+    planned = chaos.plan(args.requests, args.fault_rate, args.seed)
+    outcomes, elapsed = chaos.run_load(lambda i: chaos.send(args.proxy, i, planned[i], args.max_tokens),
+                                       args.requests, args.concurrency, restarts)
+    summary = chaos.summarize(outcomes)
+    left = _sessions_left(baseline)
+    unhealthy = _unhealthy_nodes(args.proxy, nodes)
+    afterwards = [chaos.send(args.proxy, args.requests + i, None, args.max_tokens) for i in range(AFTERWARDS)]
+    exact_afterwards = sum(outcome.exact for outcome in afterwards)
+    clean = (summary['wrong_text_200'] == 0 and not any(left.values()) and not unhealthy
+             and exact_afterwards == AFTERWARDS)
+    return {**summary, 'req_per_s': round(len(outcomes) / elapsed, 2) if elapsed else 0.0,
+            'decode_restarts': len(restarts.marks) if restarts else 0,
+            'decode_downtime_s': round(restarts.downtime_s, 1) if restarts else 0.0,
+            'prefill_sessions_left': left, 'unhealthy_nodes': unhealthy,
+            'exact_afterwards': f'{exact_afterwards}/{AFTERWARDS}', 'clean': clean}
+
+
+def _recorded_decode_restart(cluster_file: Path) -> Callable[[], None]:
+    """Kill and restart the Decode node of the cluster ``sim up`` recorded, and record the new process."""
+    cluster = Cluster.from_json(json.loads(cluster_file.read_text()))
+
+    def restart() -> None:
+        cluster.bounce(cluster.decode_urls[0])
+        cluster_file.write_text(json.dumps(cluster.to_json(), indent=1))  # so `sim down` stops the new one
+
+    return restart
+
+
+def _sessions(url: str) -> int:
+    return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5).get('sessions') or 0
+
+
+def _sessions_left(baseline: dict[str, int]) -> dict[str, int]:
+    """Prefill sessions above the baseline once the releases had ``SETTLE_S`` to land."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        left = {url: _sessions(url) - before for url, before in baseline.items()}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _unhealthy_nodes(proxy: str, nodes: dict[str, str]) -> list[str]:
+    """Nodes that do not answer /health with 200, or that the proxy no longer lists."""
+    registered = set(http_json('GET', f'{proxy}/nodes/status', timeout=5) or {})
+    unhealthy = []
+    for url in nodes:
+        try:
+            http_json('GET', f'{url}/health', timeout=10)
+        except OSError:
+            unhealthy.append(url)
+            continue
+        if url not in registered:
+            unhealthy.append(url)
+    return unhealthy
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.chaos:
+        return _main_chaos(args)
     kinds = [kind.strip() for kind in args.mix.split(',') if kind.strip()]
     unknown = set(kinds) - set(client.KINDS)
     if not kinds or unknown or args.requests <= 0:
@@ -178,6 +266,26 @@ def main(argv: list[str]) -> int:
     csv_path, png_path = write_samples(sampler.rows, args.out)
     print(f'{"samples":>15}: {csv_path} ({len(sampler.rows)} rows)' + (f', plot {png_path}' if png_path else ''))
     return 0 if summary['succeeded'] == summary['requests'] else 1
+
+
+def _main_chaos(args: argparse.Namespace) -> int:
+    if args.requests <= 0 or not 0 <= args.fault_rate <= 1:
+        print('--requests must be positive and --fault-rate within 0..1', file=sys.stderr)
+        return 2
+    if args.decode_restarts > 0 and not args.cluster_file.exists():
+        print(f'--decode-restarts needs a cluster recorded by `lmdeploy-pdfix sim up` ({args.cluster_file})',
+              file=sys.stderr)
+        return 2
+    restart = _recorded_decode_restart(args.cluster_file) if args.decode_restarts > 0 else None
+    sampler = Sampler(discover_nodes(args.proxy), args.sample_every)
+    sampler.start()
+    try:
+        summary = run_chaos(args, sampler.nodes, restart)
+    finally:
+        sampler.stop()
+    summary['samples'] = str(write_samples(sampler.rows, args.out)[0])
+    print(json.dumps(summary, indent=2))
+    return 0 if summary['clean'] else 1
 
 
 if __name__ == '__main__':

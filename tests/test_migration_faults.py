@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
@@ -293,3 +294,89 @@ async def test_a_free_no_prefill_takes_fails_its_request_and_the_prefill_cache_o
     finally:
         await other_tasks_done()
         destroy(zmq_contexts)  # now: the nodes holding the sockets go with this frame
+
+
+# --- issue 9: Decode requests aborted around their migration ---------------------------------------------------
+
+def abort(node: DecodeNode, seq: SchedulerSequence) -> None:
+    """The Decode client left: LMDeploy stops its session (STOP_SESSION), then ends it (END_SESSION)."""
+    node.scheduler.stop_session(seq.session_id)
+    node.engine.end_session(seq.session_id)
+
+
+class SpinWatch:
+    """Stops a migration loop that has not yielded for ``limit_s`` (from another thread: it holds the loop)."""
+
+    def __init__(self, node: DecodeNode, limit_s: float = 2.0) -> None:
+        self.node, self.limit_s, self.fired = node, limit_s, False
+        self._yielded = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        if not self._yielded.wait(self.limit_s):
+            self.fired = True
+            self.node.loop.stop_event.set()  # the spinning loop reads it on every turn, then returns
+
+    async def __aenter__(self) -> SpinWatch:
+        self._thread.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._yielded.set()
+        self._thread.join()
+
+
+@pytest.mark.regression
+async def test_a_migration_request_aborted_before_its_turn_does_not_make_the_migration_loop_spin(
+        decode: DecodeNode) -> None:
+    # D20: the request sets migration_event; its abort takes it out of MIGRATION_WAITING before the loop looks
+    gone = decode.receive('prefill-a', 11)
+    abort(decode, gone)
+    async with SpinWatch(decode) as watch:
+        decode.start()
+        await asyncio.sleep(0.2)  # the event loop must come back to this test while the Decode idles
+
+    assert not watch.fired, 'the migration loop spun without yielding: the engine process would answer nothing'
+    later = decode.receive('prefill-b', 12)
+    assert is_answered_with_first_token(await decode.answer(later))
+
+
+@pytest.mark.regression
+async def test_a_request_aborted_during_its_transfer_keeps_its_blocks_until_the_copy_ends(
+        decode: DecodeNode) -> None:
+    decode.transfers.hanging.add('prefill-a')
+    copying = decode.receive('prefill-a', 11)
+    decode.start()
+    assert await eventually(lambda: decode.transfers.unfinished), 'the transfer did not start'
+
+    abort(decode, copying)
+    await asyncio.sleep(0.05)
+
+    assert decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, \
+        'blocks still being written were handed back to the pool'
+    next_one = decode.receive('prefill-b', 12)
+    assert is_answered_with_first_token(await decode.answer(next_one))
+    decode.transfers.unfinished[0].set_result(None)
+    assert await eventually(lambda: decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS), \
+        'the aborted request still holds blocks after its copy ended'
+    assert copying.resp.type != ResponseType.SUCCESS, 'the aborted request was answered as migrated'
+
+
+@pytest.mark.regression
+async def test_a_request_aborted_while_its_batch_migrates_is_skipped_and_its_prefill_cache_freed(
+        decode: DecodeNode) -> None:
+    decode.transfers.hanging.add('prefill-a')
+    first = decode.receive('prefill-a', 11)
+    aborted = decode.receive('prefill-b', 12)  # scheduled in the same batch, migrated after the first
+    decode.start()
+    assert await eventually(lambda: decode.transfers.unfinished), 'the transfer did not start'
+
+    abort(decode, aborted)
+    decode.transfers.unfinished[0].set_result(None)
+
+    assert is_answered_with_first_token(await decode.answer(first))
+    assert not decode.migration_loop.done(), 'the migration loop ended'
+    assert book_of(decode.engine).migration_failures == {}, 'the aborted request was migrated into no blocks'
+    assert book_of(decode.engine).migrations_aborted == 1
+    assert decode.transfers.copied == ['prefill-a']
+    assert ('prefill-b', 12) in decode.loop.engine_conn.frees, 'the Prefill cache of the aborted request was kept'

@@ -10,6 +10,22 @@ The wrapper runs LMDeploy's own code for one sequence at a time, under a deadlin
 the batch before LMDeploy activates it: its client gets an engine error, its Decode session ends, the failure
 is counted in the node's book, and the rest of the batch and every later one go on. Dummy prefills reach
 LMDeploy's code unchanged (it skips them).
+
+A Decode request aborted while it waits for or undergoes its migration (its client left: STOP_SESSION, then
+END_SESSION) ends cleanly too (issue 9, D20):
+
+- Its Decode blocks are pinned for as long as its transfer runs, so an abort in the middle of the copy cannot
+  hand them to another request while the copy still writes into them (stock: wrong text, HTTP 200, for the
+  request that got them).
+- A sequence that is no longer ``MIGRATION_READY`` when its turn comes is not migrated (stock: the block-count
+  assert, as its blocks are gone); one aborted during its transfer is not activated and publishes nothing
+  ("Cannot publish output after stream completion"). The Prefill cache of a migration that never ran is
+  freed at once over LMDeploy's own ZMQ link; the node's book releases it only once, whoever frees it first.
+- D20: LMDeploy sets ``migration_event`` when a migration request arrives and clears it only when a batch is
+  ready, so a request aborted before the loop scheduled it leaves the event set with nothing waiting, and
+  ``migration_loop`` spins on ``await migration_event.wait()`` without ever yielding: the engine process
+  answers nothing again, ``/health`` turns 503 and the proxy drops the node. The event is made self-clearing
+  (it clears as a wait returns), so the loop sleeps until the next migration request.
 """
 
 from __future__ import annotations
@@ -49,30 +65,65 @@ class MigrationFailure:
     detail: str
 
 
-def _migrating_each_alone(original: Migrate, respond: Respond, error_type: Any) -> Migrate:
+_NOT_TRIED = MigrationFailure('aborted', 'aborted before its transfer began')
+
+
+def _migrating_each_alone(original: Migrate, respond: Respond, error_type: Any, ready_status: Any) -> Migrate:
     async def _migration_loop_migrate(self, migration_ready):
         for msg in list(migration_ready):
-            failure = await _migrate_one(original, self, msg)
-            if failure is not None:
+            failure = await _migrate_one(original, self, msg) if msg.status == ready_status else _NOT_TRIED
+            if msg.status != ready_status:  # its client left before or during the transfer
+                _aborted(self, msg)
+                if failure is not None:  # LMDeploy frees the Prefill cache only after a transfer that worked
+                    await _free_prefill_cache(self, msg)
+                _leave_batch(migration_ready, msg)
+            elif failure is not None:
                 _fail(self, msg, failure, respond, error_type)
-                # In place: LMDeploy's caller then activates and answers only what is left in this very list
-                # (0.17 and 0.18 alike), so the ended sequence never reaches MIGRATION_RUNNING or its client a
-                # token. By identity: sequences are dataclasses, compared field by field.
-                migration_ready[:] = [ready for ready in migration_ready if ready is not msg]
+                _leave_batch(migration_ready, msg)
 
     return _migration_loop_migrate
 
 
+def _aborted(loop: Any, msg: Any) -> None:
+    book_of(loop.engine_conn.engine).migration_aborted()
+    lmdeploy_logger().info('lmdeploy-pdfix: Decode session %s was aborted around its migration; not answered',
+                           msg.session_id)
+
+
+def _leave_batch(migration_ready: list[Any], msg: Any) -> None:
+    """Take ``msg`` out of the batch LMDeploy activates and answers next.
+
+    In place: LMDeploy's caller then activates and answers only what is left in this very list (0.17 and 0.18
+    alike), so the ended sequence never reaches MIGRATION_RUNNING or its client a token. By identity:
+    sequences are dataclasses, compared field by field.
+    """
+    migration_ready[:] = [ready for ready in migration_ready if ready is not msg]
+
+
+async def _free_prefill_cache(loop: Any, msg: Any) -> None:
+    """Free the Prefill cache of a migration that will never run, as LMDeploy frees one that ran."""
+    request = msg.migration_request
+    if request is None or request.is_dummy_prefill:
+        return
+    try:
+        await loop.engine_conn.zmq_send(remote_engine_id=request.remote_engine_id,
+                                        remote_session_id=request.remote_session_id)
+    except Exception as exc:  # the proxy frees it too, when its request fails; the orphan TTL as a last resort
+        lmdeploy_logger().warning('lmdeploy-pdfix: freeing Prefill session %s of aborted Decode session %s '
+                                  'failed: %r', request.remote_session_id, msg.session_id, exc)
+
+
 async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailure | None:
-    """Migrate ``msg`` by LMDeploy's code; None when it worked."""
+    """Migrate ``msg`` by LMDeploy's code, its Decode blocks held until the transfer ends; None when it worked."""
     transfer = asyncio.ensure_future(original(loop, [msg]))
+    _hold_blocks_during(loop.scheduler.block_manager, msg, transfer)
     try:
         await asyncio.wait({transfer}, timeout=MIGRATION_TIMEOUT_S)
     except asyncio.CancelledError:  # the engine is stopping
         transfer.cancel()
         raise
     if not transfer.done():
-        _quarantine(loop.scheduler.block_manager, msg, transfer)
+        _ABANDONED.add(transfer)
         return MigrationFailure('timeout', f'not done within {MIGRATION_TIMEOUT_S:g} s '
                                            '(LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S)')
     if transfer.cancelled():
@@ -83,31 +134,66 @@ async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailu
     return MigrationFailure(type(error).__name__, str(error) or repr(error))
 
 
-def _quarantine(block_manager: Any, msg: Any, transfer: asyncio.Task) -> None:
-    """Keep ``msg``'s Decode blocks out of reuse until the transfer given up on really ends.
+def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) -> None:
+    """Keep ``msg``'s Decode blocks out of reuse until ``transfer`` really ends, whatever ends ``msg`` first.
 
-    Giving up on the await does not stop an RDMA read already posted (DLSlime waits in a worker thread, Ray
-    workers run on), so the blocks may still be written after the deadline; handed to another request, they
-    would silently corrupt its KV. So the session ends and its client is answered now, but an extra reference
-    (LMDeploy's own pin for asynchronous readers) keeps the blocks allocated, and the transfer is left to
-    finish rather than cancelled, as its end is the only sign that nothing writes any more. A transfer that
-    never ends (#4971: the future is never completed, though the copy is done) keeps its blocks: a visible
-    loss of capacity (the book's ``timeout`` count), never wrong text.
+    The sequence may be aborted (its client left) or failed (its deadline passed) while the copy still writes
+    into its blocks: giving up on the await does not stop an RDMA read already posted (DLSlime waits in a
+    worker thread, Ray workers run on). Blocks handed to another request meanwhile would silently corrupt its
+    KV. An extra reference (LMDeploy's own pin for asynchronous readers) keeps them allocated; a transfer given
+    up on is left to finish rather than cancelled, as its end is the only sign that nothing writes any more.
+    A transfer that never ends (#4971: the future is never completed, though the copy is done) keeps its
+    blocks: a visible loss of capacity (the book's ``timeout`` count), never wrong text.
     """
     blocks = msg.logical_blocks.get_real_blocks().copy()  # the sequence's own array is reset when it ends
     block_manager.pin_logical_blocks(blocks)
     session_id = msg.session_id
-    _ABANDONED.add(transfer)
 
-    def release(done: asyncio.Task) -> None:
-        _ABANDONED.discard(done)
+    def release(done: asyncio.Future) -> None:
         block_manager.release_logical_blocks(blocks)
-        error = None if done.cancelled() else done.exception()
-        lmdeploy_logger().warning('lmdeploy-pdfix: the migration of Decode session %s given up on has ended (%s); '
-                                  'its %d blocks are free again', session_id, repr(error) if error else 'no error',
-                                  len(blocks))
+        if done in _ABANDONED:
+            _ABANDONED.discard(done)
+            error = None if done.cancelled() else done.exception()
+            lmdeploy_logger().warning('lmdeploy-pdfix: the migration of Decode session %s given up on has ended '
+                                      '(%s); its %d blocks are free again', session_id,
+                                      repr(error) if error else 'no error', len(blocks))
 
     transfer.add_done_callback(release)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        lmdeploy_logger().warning('lmdeploy-pdfix: %s', message)
+
+
+class _SelfClearingEvent(asyncio.Event):
+    """D20: an event that clears as a wait returns, so a wake-up with nothing to do is not seen again."""
+
+    async def wait(self) -> bool:
+        await super().wait()
+        self.clear()
+        return True
+
+
+def _self_clearing_migration_event(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # LMDeploy sets it after adding a migration request, so a clear after the wait loses no wake-up:
+        # the loop then schedules, and sees every request added before the set.
+        event = getattr(self, 'migration_event', None)
+        if isinstance(event, _SelfClearingEvent):
+            return
+        if type(event) is not asyncio.Event or event.is_set():
+            _warn_once(f'EngineLoop.migration_event is {event!r}, not a fresh asyncio.Event; the migration loop '
+                       'may spin after an aborted migration request (D20)')
+            return
+        self.migration_event = _SelfClearingEvent()
+
+    return __init__
 
 
 def _fail(loop: Any, msg: Any, failure: MigrationFailure, respond: Respond, error_type: Any) -> None:
@@ -134,6 +220,8 @@ class MigrationFaultsPatch(Patch):
             return 'EngineLoop or response_reqs is missing'
         if getattr(getattr(module, 'ResponseType', None), 'INTERNAL_ENGINE_ERROR', None) is None:
             return 'ResponseType.INTERNAL_ENGINE_ERROR is missing'
+        if getattr(getattr(module, 'MessageStatus', None), 'MIGRATION_READY', None) is None:
+            return 'MessageStatus.MIGRATION_READY is missing'
         block_manager = getattr(importlib.import_module(BLOCK_MANAGER_MODULE), 'BaseBlockManager', None)
         if block_manager is None:
             return 'BaseBlockManager is missing'
@@ -141,6 +229,7 @@ class MigrationFaultsPatch(Patch):
             signature_problem(loop, '_migration_loop_migrate', ['self', 'migration_ready']),
             signature_problem(loop, '_migration_loop_process_ready', ['self', 'migration_ready']),
             coroutine_problem(loop, '_migration_loop_migrate'),
+            coroutine_problem(loop, 'migration_loop'),
             signature_problem(module, 'response_reqs', ['req_manager', 'resp', 'resp_type', 'data', 'err_msg']),
             signature_problem(block_manager, 'pin_logical_blocks', ['self', 'logical_block_ids']),
             signature_problem(block_manager, 'release_logical_blocks', ['self', 'logical_block_ids']),
@@ -148,11 +237,14 @@ class MigrationFaultsPatch(Patch):
 
     def _apply(self, module: ModuleType) -> None:
         error_type = module.ResponseType.INTERNAL_ENGINE_ERROR
+        ready = module.MessageStatus.MIGRATION_READY
         install_wrapper(module.EngineLoop, '_migration_loop_migrate',
-                        lambda original: _migrating_each_alone(original, module.response_reqs, error_type))
+                        lambda original: _migrating_each_alone(original, module.response_reqs, error_type, ready))
+        install_wrapper(module.EngineLoop, '__init__', _self_clearing_migration_event)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.EngineLoop, '_migration_loop_migrate')
+        remove_wrapper(module.EngineLoop, '__init__')
 
 
 PATCH = MigrationFaultsPatch()

@@ -44,16 +44,19 @@ from lmdeploy_pdfix.owner_ids import (
 )
 from lmdeploy_pdfix.patches._node_routes import (
     FREE_PATH,
+    LINK_ROUTES,
     add_node_routes,
     engine_book_available,
-    forget_link,
     free_cache_endpoint,
+    link_endpoint,
     migration_request_of,
-    record_link,
+    plain_free_endpoint,
     refused_migration,
+    release_cache,
 )
 from lmdeploy_pdfix.patches._routes import swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
+from lmdeploy_pdfix.preserved import ReleaseCause
 
 # The routes whose ``with_cache`` answers must name their owner, by the module that registers each.
 CHAT_PATH = '/v1/chat/completions'
@@ -65,6 +68,7 @@ DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capa
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
 SESSION_MANAGER_MODULE = 'lmdeploy.serve.managers.session_manager'
 ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
+WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'  # the engine methods the link routes call
 
 
 @dataclass
@@ -125,15 +129,6 @@ def _numbering_from_incarnation(original):
     return __init__
 
 
-def _recording(original, record):
-    def p2p_call(self, request):
-        result = original(self, request)
-        record(request)
-        return result
-
-    return p2p_call
-
-
 def _reporting_owner(path: str, server_context):
     error_response = importlib.import_module(ERRORS_MODULE).create_error_response
 
@@ -156,7 +151,7 @@ def _reporting_owner(path: str, server_context):
                 owner = single_owner(trace.sessions)
                 if owner is None or not finished_without_tokens(trace.finish_reason, trace.generated_tokens):
                     raise
-                server_context.async_engine.free_cache(owner)
+                await release_cache(server_context.async_engine, owner, ReleaseCause.FREED)
                 return _finished_answer(path, kwargs['request'], trace)
             finally:
                 _trace.reset(token)
@@ -217,9 +212,13 @@ def _adding_distserve_routes(original):
     def register(router, server_context):
         original(router, server_context)
         book = engine_book_available()
+        for path, (method, note) in LINK_ROUTES.items():
+            swap_endpoint(router.routes, path, link_endpoint(server_context, method, note))
         if book:
             swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
             add_node_routes(router, server_context)
+        else:
+            swap_endpoint(router.routes, FREE_PATH, plain_free_endpoint(server_context))
 
         @router.get(CAPABILITIES_PATH)
         async def pdfix_capabilities():
@@ -251,23 +250,23 @@ class ServingCacheOwnerPatch(Patch):
                      for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE)]
         engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
         manager = getattr(importlib.import_module(SESSION_MANAGER_MODULE), 'SessionManager', None)
-        if engine is None or manager is None:
-            return 'AsyncEngine or SessionManager is missing'
+        worker = getattr(importlib.import_module(WORKER_MODULE), 'EngineWorkerBase', None)
+        if engine is None or manager is None or worker is None:
+            return 'AsyncEngine, SessionManager or EngineWorkerBase is missing'
         if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
             return 'create_error_response is missing'
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
                              signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
-                             signature_problem(engine, 'free_cache', ['self', 'session_id']),
-                             signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
-                             signature_problem(engine, 'p2p_drop_connect', ['self', 'drop_conn_request']),
+                             signature_problem(worker, 'end_session', ['self', 'session_id']),
+                             signature_problem(worker, 'p2p_initialize', ['self', 'conn_request']),
+                             signature_problem(worker, 'p2p_connect', ['self', 'conn_request']),
+                             signature_problem(worker, 'p2p_drop_connect', ['self', 'drop_conn_request']),
                              signature_problem(manager, '__init__', ['self']), *registers)
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
         install_wrapper(engine, 'generate', _observing_outputs)
-        install_wrapper(engine, 'p2p_initialize', lambda original: _recording(original, record_link))
-        install_wrapper(engine, 'p2p_drop_connect', lambda original: _recording(original, forget_link))
         install_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__',
                         _numbering_from_incarnation)
         for name, path in ENDPOINT_MODULES.items():
@@ -277,8 +276,7 @@ class ServingCacheOwnerPatch(Patch):
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.ServerContext, 'create_session')
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
-        for attribute in ('generate', 'p2p_initialize', 'p2p_drop_connect'):
-            remove_wrapper(engine, attribute)
+        remove_wrapper(engine, 'generate')
         remove_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__')
         for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
             remove_wrapper(importlib.import_module(name), 'register')

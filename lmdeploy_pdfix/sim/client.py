@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from lmdeploy_pdfix.sim import model
 from lmdeploy_pdfix.sim.cluster import MODEL_NAME
 
-KINDS = ('completions', 'chat', 'stream')
+KINDS = ('completions', 'chat', 'stream', 'stream_completions')  # 'stream': streamed chat
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -40,15 +40,15 @@ class Result:
 
 def _payload(kind: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
     body: dict = {'model': MODEL_NAME, 'max_tokens': max_tokens}
-    if kind == 'completions':
-        return '/v1/completions', {**body, 'prompt': prompt}
+    if kind in ('completions', 'stream_completions'):
+        return '/v1/completions', {**body, 'prompt': prompt, 'stream': kind == 'stream_completions'}
     messages = [{'role': 'user', 'content': prompt}]
     return '/v1/chat/completions', {**body, 'messages': messages, 'stream': kind == 'stream'}
 
 
 def _text_of(kind: str, raw: bytes) -> tuple[str, str]:
-    """(text, error) from a response body; streams are SSE lines of chat deltas."""
-    if kind != 'stream':
+    """(text, error) from a response body; streams are SSE lines of chat deltas or completion texts."""
+    if kind not in ('stream', 'stream_completions'):
         data = json.loads(raw)
         if not isinstance(data, dict) or 'choices' not in data:
             return '', f'no choices in {raw[:200]!r}'
@@ -62,7 +62,7 @@ def _text_of(kind: str, raw: bytes) -> tuple[str, str]:
         if 'choices' not in chunk:
             return ''.join(parts), f'stream error chunk {chunk}'
         for choice in chunk['choices']:
-            parts.append((choice.get('delta') or {}).get('content') or '')
+            parts.append(choice.get('text') or (choice.get('delta') or {}).get('content') or '')
     return ''.join(parts), ''
 
 
@@ -103,31 +103,50 @@ def prompt_for(index: int, length: int = 0) -> str:
 
 
 def stream_then_disconnect(proxy_url: str, prompt: str, max_tokens: int, timeout_s: float = 30.0,
-                           chat: bool = True) -> tuple[int, str]:
-    """Start a streaming chat (or completion), read up to its first ``data:`` event, then drop the connection.
+                           chat: bool = True, events: int = 1) -> tuple[int, str]:
+    """Start a streaming chat (or completion), read up to its ``events``-th ``data:`` event, then drop the connection.
 
-    Returns (HTTP status, the first event line, or the error body); (0, error) when nothing came back in time.
+    Returns (HTTP status, the last event line read, or the error body); (0, error) when nothing came back in time.
     """
-    parts = urllib.parse.urlsplit(proxy_url)
-    path, body = _payload('stream' if chat else 'completions', prompt, max_tokens)
-    body['stream'] = True
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    conn = _open(proxy_url, 'stream' if chat else 'stream_completions', prompt, max_tokens, timeout_s)
     try:
-        conn.request('POST', path, json.dumps(body), {'Content-Type': 'application/json'})
         response = conn.getresponse()
         if response.status != 200:
             return response.status, response.read()[:300].decode(errors='replace')
-        while True:
+        seen, line = 0, b''
+        while seen < events:
             line = response.readline()
-            if not line or line.startswith(b'data:'):
-                return response.status, line.decode(errors='replace').strip()
+            if not line:
+                break
+            seen += line.startswith(b'data:')
+        return response.status, line.decode(errors='replace').strip()
     except OSError as exc:
         return 0, repr(exc)
     finally:
-        if conn.sock is not None:
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)  # a real disconnect, not a lingering half-read response
-        conn.close()
+        _leave(conn)
+
+
+def send_then_leave(proxy_url: str, kind: str, prompt: str, max_tokens: int) -> int:
+    """Send a request and close the connection at once, before any answer: 0, as no status is ever read."""
+    with contextlib.suppress(OSError):
+        _leave(_open(proxy_url, kind, prompt, max_tokens, timeout_s=5.0))
+    return 0
+
+
+def _open(proxy_url: str, kind: str, prompt: str, max_tokens: int, timeout_s: float) -> http.client.HTTPConnection:
+    """A connection with the request of ``kind`` sent on it, its answer not read yet."""
+    parts = urllib.parse.urlsplit(proxy_url)
+    path, body = _payload(kind, prompt, max_tokens)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    conn.request('POST', path, json.dumps(body), {'Content-Type': 'application/json'})
+    return conn
+
+
+def _leave(conn: http.client.HTTPConnection) -> None:
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)  # a real disconnect, not a lingering half-read response
+    conn.close()
 
 
 def preserved_prefill_body(index: int, stream: bool = False) -> dict:

@@ -195,6 +195,12 @@ class Cluster:
         self._wait_registered(deadline)
         return proc
 
+    def bounce(self, url: str, down_s: float = 1.0) -> Process:
+        """Kill a node, leave it down ``down_s`` (requests meet it dead), start it again on the same URL."""
+        self.stop_node(url)
+        time.sleep(down_s)
+        return self.restart_node(url)
+
     def _faults_dir(self, name: str) -> Path:
         return (self.config.log_dir / 'faults' / name).resolve()
 
