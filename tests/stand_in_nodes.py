@@ -39,6 +39,7 @@ class PrefillBook:
     answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error | finished
     fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
     free_status: int = 200  # what /distserve/free_cache answers
+    delay_s: float = 0.0  # how long the prefill takes; like a real engine it keeps the cache if the caller left
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -98,6 +99,7 @@ def prefill_app(book: PrefillBook) -> FastAPI:
     async def prefill(request: Request, public_id: str):
         body = await request.json()
         book.requests.append(body)
+        await asyncio.sleep(book.delay_s)
         if book.answer == 'error':
             return JSONResponse({'error': {'message': 'prompt too long', 'code': 400}}, status_code=400)
         if book.answer == 'finished':  # the first token was a stop token: the Prefill ended the session itself

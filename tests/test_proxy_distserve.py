@@ -296,6 +296,21 @@ async def test_a_client_that_leaves_during_decode_aborts_it_and_leaves_nothing_b
 
 
 @pytest.mark.regression
+async def test_a_client_that_leaves_during_the_prefill_leaves_no_prefill_cache_behind(distserve: Cluster) -> None:
+    distserve.prefill.delay_s = 0.6
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(timeout=0.2) as client:
+            await client.post(distserve.url + '/v1/completions', json=COMPLETION)
+    for _ in range(100):  # the Prefill answers after the client left; the proxy releases what it names
+        if distserve.prefill.freed:
+            break
+        await asyncio.sleep(0.05)
+    assert len(distserve.prefill.requests) == 1 and distserve.decode.migrations == []
+    assert distserve.prefill.retained == set(), 'the cache the Prefill kept for the departed client leaked'
+    assert (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
 async def test_a_decode_dying_mid_stream_ends_the_stream_with_an_error_event(distserve: Cluster) -> None:
     distserve.decode.answer = 'dies'
     async with httpx.AsyncClient(timeout=30) as client, \

@@ -234,8 +234,14 @@ class _FinishedAtPrefill:
 
 
 async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | _FinishedAtPrefill | JSONResponse:
+    call = asyncio.ensure_future(relay.post(relay.p_url, _prefill_request(request_dict)))
     try:
-        status, text = await relay.post(relay.p_url, _prefill_request(request_dict))
+        status, text = await asyncio.shield(call)
+    except asyncio.CancelledError:
+        # The client left while the Prefill node works: the cache its answer will name is nobody's to migrate.
+        # Cancelling the call would leave it preserved until the orphan TTL; wait for the answer and release it.
+        await asyncio.shield(_release_when_answered(relay, call))
+        raise
     except asyncio.TimeoutError:
         return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
     except aiohttp.ClientError as exc:
@@ -258,6 +264,12 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer
         relay.ledger.reject(type(exc).__name__)  # never free it: the open record's request owns that cache
         return relay.error(HTTPStatus.BAD_GATEWAY, f'{exc}; the Prefill node may have restarted.')
     return answer
+
+
+async def _release_when_answered(relay: _Relay, call: asyncio.Future) -> None:
+    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+        _, text = await call
+        await _release_unusable(relay, _owner_if_any(text), 'client disconnected during the Prefill')
 
 
 async def _release_unusable(relay: _Relay, owner: int | None, reason: str) -> None:
