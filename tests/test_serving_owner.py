@@ -8,8 +8,10 @@ with, so each answer can be checked against the session that actually holds its 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
@@ -98,14 +100,18 @@ class PrefillServer:
 
 
 @pytest.fixture
-async def prefill_server(apply_patch: Callable[[str], ModuleType]) -> AsyncIterator[PrefillServer]:
+def app() -> FastAPI:
+    return FastAPI()
+
+
+@pytest.fixture
+async def prefill_server(apply_patch: Callable[[str], ModuleType], app: FastAPI) -> AsyncIterator[PrefillServer]:
     """LMDeploy's OpenAI router, built as ``api_server.serve`` builds it, over a fake Prefill engine."""
     api_server = apply_patch('serving_cache_owner')
     engine = FakePrefillEngine()
     context = api_server.ServerContext()
     context.async_engine = engine
     context.response_parser_cls = ResponseParserManager.get('default')
-    app = FastAPI()
     app.include_router(api_server.create_openai_router(context))
     app.add_exception_handler(RequestValidationError, api_server.validation_exception_handler)
     transport = httpx.ASGITransport(app=app)
@@ -206,3 +212,60 @@ async def test_only_answers_that_retain_a_cache_name_an_owner(
 async def test_prefill_node_tells_a_proxy_that_it_names_cache_owners(prefill_server: PrefillServer) -> None:
     response = await prefill_server.client.get(CAPABILITIES_PATH)
     assert response.status_code == 200 and response.json()['cache_owner'] is True
+
+
+# --- the link routes never block the api_server's event loop (issue 9) ---------------------------------------
+
+ENGINE_BUSY_S = 1.0
+
+
+class BusyEngineProcess:
+    """The api_server's handle on its engine process (``ZMQMPEngine``) while that engine is busy.
+
+    LMDeploy's link routes reach the engine by ``_collective_rpc``, which blocks until the engine answers;
+    ``_collective_rpc_async`` waits without blocking.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _collective_rpc(self, method: str, *args: Any) -> dict[str, str]:
+        time.sleep(ENGINE_BUSY_S)
+        self.calls.append(method)
+        return {'status': 'SUCCESS'}
+
+    async def _collective_rpc_async(self, method: str, *args: Any) -> dict[str, str]:
+        await asyncio.sleep(ENGINE_BUSY_S)
+        self.calls.append(method)
+        return {'status': 'SUCCESS'}
+
+    def p2p_drop_connect(self, drop_conn_request: Any) -> dict[str, str]:
+        return self._collective_rpc('p2p_drop_connect', drop_conn_request)
+
+
+@pytest.mark.regression
+async def test_a_link_route_waiting_for_a_busy_engine_leaves_the_node_answering(
+        prefill_server: PrefillServer, app: FastAPI) -> None:
+    engine_process = BusyEngineProcess()
+    prefill_server.engine.engine = engine_process
+    prefill_server.engine.p2p_drop_connect = engine_process.p2p_drop_connect  # as AsyncEngine delegates it
+    finished: list[str] = []
+
+    @app.get('/ping')
+    async def ping() -> dict[str, str]:
+        return {}
+
+    async def call(method: str, path: str, body: Any = None) -> None:
+        response = await prefill_server.client.request(method, path, json=body)
+        assert response.status_code == 200, response.text
+        finished.append(path)
+
+    drop = {'engine_id': 'http://decode', 'remote_engine_id': 'http://prefill'}
+    dropping = asyncio.ensure_future(call('POST', '/distserve/p2p_drop_connect', drop))
+    await asyncio.sleep(ENGINE_BUSY_S / 10)  # the drop is waiting for the engine now
+    await call('GET', '/ping')
+    await dropping
+
+    assert finished == ['/ping', '/distserve/p2p_drop_connect'], \
+        'the node answered nothing while its engine was busy with the drop'
+    assert engine_process.calls == ['p2p_drop_connect']
