@@ -14,7 +14,7 @@ from lmdeploy_pdfix.registry import PATCHES, PatchSpec
 
 def _patch_status(spec: PatchSpec, disabled: frozenset[str]) -> dict[str, Any]:
     """What the patch does in this interpreter: applied, disabled by the user, or refused and why."""
-    from lmdeploy_pdfix._bootstrap import load_patch
+    from lmdeploy_pdfix._bootstrap import load_patch, requirement_problem
     from lmdeploy_pdfix.patching import PatchState
 
     row: dict[str, Any] = {'name': spec.name, 'target': spec.target, 'summary': spec.summary}
@@ -27,7 +27,7 @@ def _patch_status(spec: PatchSpec, disabled: frozenset[str]) -> dict[str, Any]:
         return {**row, 'state': 'refused', 'reason': f'cannot import: {exc!r}'}
     if patch.state is PatchState.APPLIED:
         return {**row, 'state': 'applied', 'reason': None}
-    reason = patch.reason or patch.refusal(module)
+    reason = patch.reason or requirement_problem(spec) or patch.refusal(module)
     return {**row, 'state': 'refused' if reason else 'ready', 'reason': reason}
 
 

@@ -58,13 +58,13 @@ class Patch:
             return self.state
         reason = self.refusal(module)
         if reason is not None:
-            self._refuse(reason)
+            self.refuse(reason)
             return self.state
         try:
             self._apply(module)
         except Exception as exc:  # leave LMDeploy stock rather than half-patched
             self._revert_quietly(module)
-            self._refuse(f'applying failed: {exc!r}')
+            self.refuse(f'applying failed: {exc!r}')
             return self.state
         self._module = module
         self.state = PatchState.APPLIED
@@ -81,7 +81,8 @@ class Patch:
         with contextlib.suppress(Exception):  # best effort after a failed apply
             self._revert(module)
 
-    def _refuse(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
+        """Leave LMDeploy stock for this patch, saying why (logged once)."""
         first_time = self.state is not PatchState.REFUSED
         self.state = PatchState.REFUSED
         self.reason = reason

@@ -11,13 +11,14 @@ ENTRY_POINT_GROUP = 'lmdeploy_pdfix.patches'
 
 class PatchSpec:
     # a plain class: dataclasses or typing.NamedTuple would cost ~10 ms at every interpreter start-up
-    __slots__ = ('module', 'name', 'summary', 'target')
+    __slots__ = ('module', 'name', 'requires', 'summary', 'target')
 
-    def __init__(self, *, name: str, module: str, target: str, summary: str) -> None:
+    def __init__(self, *, name: str, module: str, target: str, summary: str, requires: tuple[str, ...] = ()) -> None:
         self.name = name
         self.module = module
         self.target = target
         self.summary = summary
+        self.requires = requires  # patches that must be applied in the same process before this one may apply
 
     def __repr__(self) -> str:
         return f'PatchSpec({self.name!r} -> {self.target})'
@@ -65,6 +66,8 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.engine_conn',
         target='lmdeploy.pytorch.disagg.conn.engine_conn',
         summary='ZMQ frees release only preserved caches; sends cannot block forever; re-linking closes the old link',
+        # its frees release only what the book of preserved caches holds: without the book they release nothing
+        requires=('engine_sessions',),
     ),
     PatchSpec(
         name='ray_workers_env',

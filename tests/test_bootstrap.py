@@ -159,3 +159,49 @@ def test_entry_point_group_lists_every_patch() -> None:
 def test_wheel_installs_the_start_up_hook_at_the_environment_root() -> None:
     files = installed_distribution().files or []
     assert 'lmdeploy_pdfix.pth' in {str(path) for path in files}
+
+
+# --- declared requirements: a patch whose requirement is off stays stock with it ---------------------------------
+
+ENGINE = 'lmdeploy.pytorch.engine.engine'
+ENGINE_CONN = 'lmdeploy.pytorch.disagg.conn.engine_conn'
+# engine.py imports engine_conn, which finishes first: its patch then waits for the engine's to settle.
+# The loop module imports both the other way round. (engine_conn alone cannot be imported first: LMDeploy's
+# own circular import.)
+ORDERS = {'engine': (ENGINE,), 'engine-loop': ('lmdeploy.pytorch.engine.engine_loop', ENGINE_CONN, ENGINE)}
+STATES = textwrap.dedent("""
+    import json
+    from lmdeploy_pdfix._bootstrap import load_patch
+    from lmdeploy_pdfix.registry import BY_NAME
+    print(json.dumps({name: [load_patch(BY_NAME[name]).state.value, load_patch(BY_NAME[name]).reason]
+                      for name in ('engine_sessions', 'engine_connections')}))
+""")
+
+
+@pytest.mark.parametrize('order', ORDERS.values(), ids=ORDERS)
+def test_a_patch_whose_requirement_is_disabled_stays_stock(tmp_path: Path, order: tuple[str, ...]) -> None:
+    # engine_connections alone answers every free with 'refused': the Prefill would keep every session (issue 10)
+    code = ''.join(f'import {name}\n' for name in order) + STATES
+    result = run_python(code, tmp_path, toggle='1', extra_env={'LMDEPLOY_PDFIX_DISABLE': 'engine_sessions'})
+    states = last_json(result)
+    assert states['engine_connections'][0] == 'refused'
+    assert 'requires engine_sessions' in states['engine_connections'][1]
+
+
+@pytest.mark.parametrize('order', ORDERS.values(), ids=ORDERS)
+def test_a_patch_waits_for_its_requirement_whatever_the_import_order(tmp_path: Path, order: tuple[str, ...]) -> None:
+    code = ''.join(f'import {name}\n' for name in order) + STATES
+    assert last_json(run_python(code, tmp_path, toggle='1')) == {'engine_sessions': ['applied', None],
+                                                                  'engine_connections': ['applied', None]}
+
+
+def test_a_patch_whose_requirement_is_refused_is_refused_with_the_reason(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        from lmdeploy_pdfix.patches import engine
+        engine.PATCH.shape_problem = lambda module: 'a renamed attribute'
+        import {ENGINE}
+    """) + STATES
+    states = last_json(run_python(code, tmp_path, toggle='1'))
+    assert states['engine_sessions'] == ['refused', 'a renamed attribute']
+    assert states['engine_connections'] == ['refused',
+                                            'requires engine_sessions, which is refused: a renamed attribute']

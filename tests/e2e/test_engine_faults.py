@@ -302,6 +302,9 @@ def test_preserved_caches_are_not_evicted_under_kv_pressure(engine: str, start_c
         wrong = sum(r.status == 200 and not r.ok for r in results)
         if engine == 'stock':
             assert wrong > 0  # D6: evicted preserved blocks were reused before the Decode copied them
+            # and no other defect: engine_connections, which requires engine_sessions, is off with it, so
+            # every free still releases its session (issue 10: they were all kept)
+            assert started.settled_state(started.prefill_urls[0])['sessions'] == 0
             return
         assert wrong == 0 and all(r.ok for r in results), results
         assert started.settled_state(started.prefill_urls[0])['sessions'] == 0
