@@ -27,6 +27,10 @@ def install_patches() -> None:
             return
         _installed = True
     disabled = settings.disabled_patches()
+    unknown = sorted(disabled - set(BY_NAME))
+    if unknown:
+        print(f'lmdeploy-pdfix: {settings.DISABLE} names no patch called {", ".join(unknown)} '
+              f'(patches: {", ".join(BY_NAME)})', file=sys.stderr)
     for spec in PATCHES:
         if spec.name not in disabled:
             when_imported(spec.target, _applier(spec))
@@ -56,7 +60,7 @@ def apply_when_required(spec: PatchSpec, module: ModuleType) -> None:
     from lmdeploy_pdfix.patching import PatchState
 
     patch = load_patch(spec)
-    problem = requirement_problem(spec)
+    problem = settings.problem_for(spec.name) or requirement_problem(spec)
     if problem is not None:
         patch.refuse(problem)
     else:

@@ -27,7 +27,7 @@ def _patch_status(spec: PatchSpec, disabled: frozenset[str]) -> dict[str, Any]:
         return {**row, 'state': 'refused', 'reason': f'cannot import: {exc!r}'}
     if patch.state is PatchState.APPLIED:
         return {**row, 'state': 'applied', 'reason': None}
-    reason = patch.reason or requirement_problem(spec) or patch.refusal(module)
+    reason = patch.reason or settings.problem_for(spec.name) or requirement_problem(spec) or patch.refusal(module)
     return {**row, 'state': 'refused' if reason else 'ready', 'reason': reason}
 
 

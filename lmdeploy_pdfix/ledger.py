@@ -1,8 +1,8 @@
 """The proxy's books of retained Prefill caches: one record per owner, from the Prefill answer until release.
 
 Every exit of a DistServe request closes its record with a cause, so the books always say what is still
-held, where and for how long. No patching here: the proxy patch drives it and mirrors it onto LMDeploy's
-shelf through the ``on_open``/``on_close`` callbacks.
+held, where and for how long. No patching here: the proxy patch drives it. (LMDeploy's own shelf is not
+mirrored: nothing reads it once the proxy relays by owner, and dropping a link no longer frees from it.)
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,19 +46,10 @@ class DuplicateOwnerError(ValueError):
     """A Prefill node named an owner that is still open: two requests would share one cache."""
 
 
-ShelfCallback = Callable[[OwnerRecord], None]
-
-
-def _ignore(record: OwnerRecord) -> None:
-    return None
-
-
 class OwnerLedger:
 
-    def __init__(self, on_open: ShelfCallback = _ignore, on_close: ShelfCallback = _ignore) -> None:
+    def __init__(self) -> None:
         self._open: dict[tuple[str, int], OwnerRecord] = {}
-        self._on_open = on_open
-        self._on_close = on_close
         self.releases: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()
 
@@ -68,7 +58,6 @@ class OwnerLedger:
         if record.key in self._open:
             raise DuplicateOwnerError(f'Prefill node {p_url} named owner {owner}, which is still open')
         self._open[record.key] = record
-        self._on_open(record)
         return record
 
     def close(self, record: OwnerRecord, cause: ReleaseCause) -> bool:
@@ -77,7 +66,6 @@ class OwnerLedger:
             return False
         del self._open[record.key]
         self.releases[cause.value] += 1
-        self._on_close(record)
         return True
 
     def reject(self, reason: str) -> None:

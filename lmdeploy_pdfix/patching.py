@@ -7,6 +7,7 @@ import enum
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -99,11 +100,24 @@ def lmdeploy_logger() -> logging.Logger:
     return get_logger('lmdeploy')
 
 
+# Our wrappers, each mapped to what it replaced. A registry, not a marker attribute: functools.wraps copies a
+# function's __dict__, so a foreign wrapper put over ours (a profiler, a test's spy) would carry a marker too,
+# and removing "our" wrapper would then strip the foreign layer, and installing again be fooled into a no-op.
+_ORIGINALS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def wrapped_original(function: Any) -> Any:
     """The function a wrapper of ours replaced, or None if ``function`` is not one of our wrappers."""
-    if getattr(function, '__pdfix_wrapper__', False):
-        return function.__wrapped__
-    return None
+    try:
+        return _ORIGINALS.get(function)
+    except TypeError:  # not weakly referenceable: certainly not ours
+        return None
+
+
+def register_wrapper(wrapper: Any, original: Any) -> Any:
+    """Record ``wrapper`` as ours, standing in for ``original``; returns ``wrapper``."""
+    _ORIGINALS[wrapper] = original
+    return wrapper
 
 
 def install_wrapper(owner: Any, attribute: str, make_wrapper: Callable[[Any], Any]) -> None:
@@ -111,9 +125,7 @@ def install_wrapper(owner: Any, attribute: str, make_wrapper: Callable[[Any], An
     original = getattr(owner, attribute)
     if wrapped_original(original) is not None:
         return
-    wrapper = functools.update_wrapper(make_wrapper(original), original)
-    wrapper.__pdfix_wrapper__ = True
-    setattr(owner, attribute, wrapper)
+    setattr(owner, attribute, register_wrapper(functools.update_wrapper(make_wrapper(original), original), original))
 
 
 def remove_wrapper(owner: Any, attribute: str) -> None:

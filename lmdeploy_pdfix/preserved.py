@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import incarnation_of
 
-DEFAULT_ORPHAN_TTL_S = 600.0  # above the 300-480 s peers use, so a merely queued migration is never cut
 _REMEMBERED_RECLAIMS = 4096
 _AGE_BUCKETS_S = (10.0, 60.0, 300.0)
 
@@ -57,7 +57,7 @@ class PreservedCache:
 
 class PreservedBook:
 
-    def __init__(self, orphan_ttl_s: float = DEFAULT_ORPHAN_TTL_S,
+    def __init__(self, orphan_ttl_s: float = settings.ORPHAN_TTL_S.default,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.orphan_ttl_s = orphan_ttl_s
         self._clock = clock

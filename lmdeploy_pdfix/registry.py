@@ -29,13 +29,15 @@ PATCHES: tuple[PatchSpec, ...] = (
         name='serving_cache_owner',
         module='lmdeploy_pdfix.patches.serving',
         target='lmdeploy.serve.openai.api_server',
-        summary='Prefill answers to with_cache requests carry cache_session_id, the internal session owning the cache',
+        summary=('Prefill answers name the internal session owning their cache (cache_session_id); truthful frees, '
+                 'claims, node audit, Decode-side migration checks; link routes never block the event loop'),
     ),
     PatchSpec(
         name='proxy_distserve',
         module='lmdeploy_pdfix.patches.proxy',
         target='lmdeploy.serve.proxy.proxy',
-        summary='Proxy DistServe chat/completions migrate, shelve and release by cache_session_id only',
+        summary=('DistServe chat/completions migrate and release by cache_session_id only, on every path; '
+                 'the heartbeat registers a node again once it answers'),
     ),
     PatchSpec(
         name='proxy_connections',
@@ -59,7 +61,8 @@ PATCHES: tuple[PatchSpec, ...] = (
         name='migration_faults',
         module='lmdeploy_pdfix.patches.engine_loop',
         target='lmdeploy.pytorch.engine.engine_loop',
-        summary='A failing or hanging migration fails its own request; the Decode engine keeps serving',
+        summary=('A failing or hanging migration fails its own request; an aborted one frees no block still being '
+                 'written and never makes the migration loop spin'),
     ),
     PatchSpec(
         name='engine_connections',

@@ -1,4 +1,10 @@
-"""Environment switches. Standard library only: read at interpreter start-up."""
+"""Every ``LMDEPLOY_PDFIX*`` switch, declared once: name, default, bounds, a sentence of help, the patches it tunes.
+
+Standard library only: read at interpreter start-up. A value that does not parse or lies outside its bounds
+never raises where it is read (an engine or event loop): it reads as its default, the bootstrap logs it once,
+and the patches it tunes stay stock (:func:`problem_for`). The README's table of switches is checked against
+this module by a test.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,69 @@ DISABLE = 'LMDEPLOY_PDFIX_DISABLE'
 SIM_TOGGLE = 'LMDEPLOY_PDFIX_SIM'
 
 _TRUE = frozenset({'1', 'true', 'yes', 'on'})
+
+
+class Seconds:
+    """A duration switch, in seconds."""
+
+    # a plain class: dataclasses cost milliseconds at every interpreter start-up
+    __slots__ = ('default', 'help', 'maximum', 'minimum', 'name', 'node', 'patches')
+
+    def __init__(self, name: str, default: float, *, minimum: float, maximum: float, node: str,
+                 patches: tuple[str, ...], help: str) -> None:
+        self.name, self.default, self.minimum, self.maximum = name, default, minimum, maximum
+        self.node, self.patches, self.help = node, patches, help
+
+    def problem(self) -> str | None:
+        """Why the environment's value is unusable, or None (unset is fine: the default)."""
+        raw = os.environ.get(self.name, '').strip()
+        if not raw:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            return f'{self.name}={raw!r} is not a number of seconds'
+        if not self.minimum <= value <= self.maximum:
+            return f'{self.name}={raw} is outside {self.minimum:g}..{self.maximum:g} s'
+        return None
+
+    def value(self) -> float:
+        """The environment's value, or the default where it is unset or unusable."""
+        if self.problem() is not None or not os.environ.get(self.name, '').strip():
+            return self.default
+        return float(os.environ[self.name])
+
+
+_DAY = 86_400.0
+GC_AGE_S = Seconds(
+    'LMDEPLOY_PDFIX_GC_AGE_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='proxy', patches=('proxy_distserve',),
+    help='age after which `POST /distserve/gc` releases a retained Prefill cache nobody migrated; well above '
+         'the time a migration may sit in a queue')
+CONNECT_TIMEOUT_S = Seconds(
+    'LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S', 300.0, minimum=0.1, maximum=_DAY, node='proxy',
+    patches=('proxy_connections',), help='how long a request waits for a Prefill/Decode link to come up')
+HEALTH_TIMEOUT_S = Seconds(
+    'LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='proxy',
+    patches=('proxy_distserve',),
+    help="how long the heartbeat waits for a node's `/health`; a node that fails it is removed and registered "
+         "again once it answers (the heartbeat's period stays LMDeploy's `LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION`, "
+         '90 s)')
+ORPHAN_TTL_S = Seconds(
+    'LMDEPLOY_PDFIX_ORPHAN_TTL_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill',
+    patches=('engine_sessions',),
+    help='a preserved Prefill cache nobody migrated, freed or claimed for this long is reclaimed (a claim '
+         'restarts the clock, so a queued migration is never cut); keep it above the 300-480 s a migration may wait')
+MIGRATION_TIMEOUT_S = Seconds(
+    'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', 120.0, minimum=0.1, maximum=_DAY, node='Decode',
+    patches=('migration_faults',),
+    help='a KV transfer not done by then fails its request; its blocks stay pinned until the transfer really ends')
+ZMQ_SEND_TIMEOUT_S = Seconds(
+    'LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='Decode',
+    patches=('engine_connections',),
+    help='a free message the Prefill cannot take by then fails that request (the proxy then frees the cache)')
+
+DURATIONS: tuple[Seconds, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, MIGRATION_TIMEOUT_S,
+                                  ZMQ_SEND_TIMEOUT_S)
 
 
 def is_truthy(value: str | None) -> bool:
@@ -29,3 +98,17 @@ def disabled_patches() -> frozenset[str]:
     """Patch names the operator opted out of (``LMDEPLOY_PDFIX_DISABLE=name,name``)."""
     raw = os.environ.get(DISABLE, '')
     return frozenset(name.strip() for name in raw.split(',') if name.strip())
+
+
+def problems() -> list[str]:
+    """Every unusable value in the environment, one sentence each."""
+    return [problem for setting in DURATIONS if (problem := setting.problem()) is not None]
+
+
+def problem_for(patch: str) -> str | None:
+    """Why ``patch`` must stay stock because a switch it reads is unusable, or None."""
+    for setting in DURATIONS:
+        problem = setting.problem() if patch in setting.patches else None
+        if problem is not None:
+            return f'{problem}; fix or unset it'
+    return None

@@ -24,11 +24,13 @@ TARGET = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
 REPORT = textwrap.dedent(f"""
     import json, sys
     import {TARGET} as target
+    loaded = any(name.startswith('lmdeploy_pdfix') for name in sys.modules)
+    from lmdeploy_pdfix.patching import wrapped_original
     unshelf = target.PDConnectionPool.unshelf_prefill_session
     print(json.dumps({{
-        'wrapped': getattr(unshelf, '__pdfix_wrapper__', False),
-        'double_wrapped': getattr(getattr(unshelf, '__wrapped__', None), '__pdfix_wrapper__', False),
-        'pdfix_loaded': any(name.startswith('lmdeploy_pdfix') for name in sys.modules),
+        'wrapped': wrapped_original(unshelf) is not None,
+        'double_wrapped': wrapped_original(wrapped_original(unshelf)) is not None,
+        'pdfix_loaded': loaded,
     }}))
 """)
 
@@ -96,7 +98,7 @@ def test_python_dash_S_with_explicit_install(tmp_path: Path) -> None:
 def test_a_patch_the_operator_opted_out_of_stays_stock(tmp_path: Path) -> None:
     code = REPORT + textwrap.dedent("""
         import lmdeploy.pytorch.engine.inputs_maker as maker
-        print(json.dumps({'others': getattr(maker.InputsMakerAsync.update_running_seqs, '__pdfix_wrapper__', False)}))
+        print(json.dumps({'others': wrapped_original(maker.InputsMakerAsync.update_running_seqs) is not None}))
     """)
     result = run_python(code, tmp_path, toggle='1', extra_env={'LMDEPLOY_PDFIX_DISABLE': 'proxy_connections'})
     first, second = (json.loads(line) for line in result.stdout.strip().splitlines()[-2:])
@@ -111,7 +113,8 @@ def test_unsupported_lmdeploy_version_is_refused_once_and_lmdeploy_still_works(t
         pool = target.PDConnectionPool()
         pool.shelf_prefill_session(('p', 'd'), 1)
         pool.unshelf_prefill_session(('p', 'd'), 1)
-        print(getattr(target.PDConnectionPool.unshelf_prefill_session, '__pdfix_wrapper__', False))
+        from lmdeploy_pdfix.patching import wrapped_original
+        print(wrapped_original(target.PDConnectionPool.unshelf_prefill_session) is not None)
     """)
     result = run_python(code, tmp_path, toggle='1')
     assert result.stdout.strip().splitlines()[-1] == 'False'
@@ -205,3 +208,20 @@ def test_a_patch_whose_requirement_is_refused_is_refused_with_the_reason(tmp_pat
     assert states['engine_sessions'] == ['refused', 'a renamed attribute']
     assert states['engine_connections'] == ['refused',
                                             'requires engine_sessions, which is refused: a renamed attribute']
+
+
+def test_a_bad_switch_value_leaves_the_patches_it_tunes_stock_with_one_clear_reason(tmp_path: Path) -> None:
+    # a typo used to reach the engine loop: float('10m') raised at the first END_SESSION and ended the loop
+    code = f'import {ENGINE}\n' + STATES
+    result = run_python(code, tmp_path, toggle='1', extra_env={'LMDEPLOY_PDFIX_ORPHAN_TTL_S': '10m'})
+    states = last_json(result)
+    assert states['engine_sessions'] == ['refused', "LMDEPLOY_PDFIX_ORPHAN_TTL_S='10m' is not a number of seconds; "
+                                                    'fix or unset it']
+    assert states['engine_connections'][0] == 'refused'
+    assert sum("LMDEPLOY_PDFIX_ORPHAN_TTL_S='10m'" in line for line in logged(result)) == 1
+
+
+def test_an_unknown_name_in_the_disable_list_is_reported(tmp_path: Path) -> None:
+    result = run_python(f'import {TARGET}', tmp_path, toggle='1',
+                        extra_env={'LMDEPLOY_PDFIX_DISABLE': 'engine_session'})
+    assert any('names no patch called engine_session' in line for line in logged(result))

@@ -7,14 +7,13 @@ import pytest
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, RecordState, ReleaseCause
 
 
-def test_each_retained_cache_is_on_the_shelf_exactly_from_open_to_close() -> None:
-    shelf: set[tuple[str, int]] = set()
-    ledger = OwnerLedger(on_open=lambda record: shelf.add(record.key), on_close=lambda record: shelf.remove(record.key))
+def test_each_retained_cache_is_open_exactly_from_open_to_its_first_close() -> None:
+    ledger = OwnerLedger()
     record = ledger.open(5, 'p', 'd')
-    assert shelf == {('p', 5)}
+    assert ledger.audit(record.opened_at)['open'] == 1
     assert ledger.close(record, ReleaseCause.MIGRATED)
     assert not ledger.close(record, ReleaseCause.COMPENSATED)  # a second exit changes nothing
-    assert shelf == set() and ledger.releases == {'migrated': 1}
+    assert ledger.audit(record.opened_at)['open'] == 0 and ledger.releases == {'migrated': 1}
 
 
 def test_an_owner_still_open_on_the_same_prefill_cannot_be_opened_twice() -> None:

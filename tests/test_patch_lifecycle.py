@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
 
 from lmdeploy_pdfix._bootstrap import load_patch
-from lmdeploy_pdfix.patching import PatchState
+from lmdeploy_pdfix.patching import PatchState, install_wrapper, remove_wrapper, wrapped_original
 from lmdeploy_pdfix.registry import PATCHES, PatchSpec
 
 
@@ -45,3 +46,24 @@ def test_apply_revert_apply(spec: PatchSpec) -> None:
     assert patch.apply(module) is PatchState.APPLIED
     assert changed(stock, snapshot(module)) == changed(stock, patched)
     patch.revert()
+
+
+def test_a_foreign_wrapper_over_ours_is_neither_stripped_nor_mistaken_for_ours() -> None:
+    class Owner:
+        def method(self) -> str:
+            return 'stock'
+
+    install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})')
+    ours = Owner.method
+
+    @functools.wraps(ours)  # copies __dict__ and sets __wrapped__, as profilers and spies do
+    def foreign(self) -> str:
+        return f'foreign({ours(self)})'
+
+    Owner.method = foreign
+    remove_wrapper(Owner, 'method')
+    assert Owner.method is foreign, 'the foreign layer was stripped'
+
+    install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})')
+    assert wrapped_original(Owner.method) is foreign
+    assert Owner().method() == 'ours(foreign(ours(stock)))'

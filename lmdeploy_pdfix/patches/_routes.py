@@ -8,6 +8,8 @@ from typing import Any
 
 from fastapi.routing import APIRoute
 
+from lmdeploy_pdfix.patching import register_wrapper
+
 
 def find_post_route(routes: list[Any], path: str) -> APIRoute | None:
     return next((route for route in routes
@@ -22,8 +24,7 @@ def swap_endpoint(routes: list[Any], path: str, make_endpoint: Callable[[Any], A
     route = find_post_route(routes, path)
     if route is None:
         raise LookupError(f'no POST route {path}')
-    endpoint = functools.update_wrapper(make_endpoint(route.endpoint), route.endpoint)
-    endpoint.__pdfix_wrapper__ = True
+    endpoint = register_wrapper(functools.update_wrapper(make_endpoint(route.endpoint), route.endpoint), route.endpoint)
     replacement = APIRoute(
         route.path,
         endpoint,

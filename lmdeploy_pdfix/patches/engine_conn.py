@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patches.engine import release_preserved
 from lmdeploy_pdfix.patching import (
     Patch,
@@ -40,7 +40,7 @@ from lmdeploy_pdfix.patching import (
 )
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 
-ZMQ_SEND_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S', '10'))
+ZMQ_SEND_TIMEOUT_S = settings.ZMQ_SEND_TIMEOUT_S.value()
 _RECEIVE_TASKS = '_lmdeploy_pdfix_receive_tasks'
 _LINK_ATTRIBUTES = ('p2p_conn_ctx', 'p2p_sender', 'p2p_receiver')
 

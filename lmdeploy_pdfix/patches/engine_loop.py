@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patches._node_book import book_of
 from lmdeploy_pdfix.patching import (
     Patch,
@@ -49,7 +49,7 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
 )
 
-MIGRATION_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', '120'))
+MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
 BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
 
 Migrate = Callable[[Any, list[Any]], Awaitable[None]]

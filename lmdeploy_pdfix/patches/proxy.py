@@ -19,14 +19,14 @@ keeps asking them: a removed node that answers again is registered again with it
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
-from lmdeploy_pdfix.ledger import OwnerLedger, OwnerRecord, ReleaseCause
+from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.ledger import OwnerLedger, ReleaseCause
 from lmdeploy_pdfix.owner_ids import AUDIT_PATH
 from lmdeploy_pdfix.patches._relay import (
     CHAT_PATH,
@@ -48,8 +48,8 @@ from lmdeploy_pdfix.patching import (
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
 GC_PATH = '/distserve/gc'
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
-GC_AGE_S = float(os.environ.get('LMDEPLOY_PDFIX_GC_AGE_S', '600'))
-HEALTH_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S', '10'))
+GC_AGE_S = settings.GC_AGE_S.value()
+HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
 
 
 class RemovedNodes:
@@ -153,14 +153,6 @@ def _collecting_garbage(proxy: ModuleType, ledger: OwnerLedger):
     return make_endpoint
 
 
-def _shelf_mirror(proxy: ModuleType, action: str):
-    """LMDeploy's shelf follows the ledger: shelved on open, unshelved on close."""
-    def mirror(record: OwnerRecord) -> None:
-        getattr(proxy.node_manager.pd_connection_pool, action)((record.p_url, record.d_url), record.owner)
-
-    return mirror
-
-
 class ProxyDistServePatch(Patch):
     name = 'proxy_distserve'
     target = 'lmdeploy.serve.proxy.proxy'
@@ -199,8 +191,7 @@ class ProxyDistServePatch(Patch):
         )
 
     def _apply(self, module: ModuleType) -> None:
-        self.ledger = OwnerLedger(on_open=_shelf_mirror(module, 'shelf_prefill_session'),
-                                  on_close=_shelf_mirror(module, 'unshelf_prefill_session'))
+        self.ledger = OwnerLedger()
         routes = module.app.router.routes
         for path in (CHAT_PATH, COMPLETIONS_PATH):
             self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self.ledger)))

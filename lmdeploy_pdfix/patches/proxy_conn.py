@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
 
 
@@ -40,7 +40,7 @@ def _tolerating_absent_session(original):
 
 
 CONNECT_POLL_S = 0.05
-CONNECT_TIMEOUT_S = float(os.environ.get('LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S', '300'))
+CONNECT_TIMEOUT_S = settings.CONNECT_TIMEOUT_S.value()
 
 
 async def _watched_connect(original: Callable, pool: Any, conn_req: Any) -> None:

@@ -1,0 +1,52 @@
+"""One source of truth: the README's tables, the entry points and ``status`` all come from the registry and settings."""
+
+from __future__ import annotations
+
+import configparser
+import sys
+from pathlib import Path
+
+from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.cli import status_report
+from lmdeploy_pdfix.registry import BY_NAME, ENTRY_POINT_GROUP, PATCHES
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / 'scripts'))
+from readme_tables import patch_rows, switch_rows  # noqa: E402
+
+
+def readme_rows(header: str) -> list[str]:
+    lines = (ROOT / 'README.md').read_text().splitlines()
+    start = lines.index(header) + 2
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith('|'))
+    return lines[start:end]
+
+
+def test_the_readme_lists_every_switch_as_the_settings_declare_it() -> None:
+    assert readme_rows('| variable | effect |') == switch_rows(), 'run scripts/readme_tables.py'
+
+
+def test_the_readme_lists_every_patch_as_the_registry_declares_it() -> None:
+    assert readme_rows('| name | LMDeploy module | requires | fix |') == patch_rows(), 'run scripts/readme_tables.py'
+
+
+def test_the_entry_points_are_the_registry() -> None:
+    config = configparser.ConfigParser()
+    config.read(ROOT / 'setup.cfg')
+    lines = config['options.entry_points'][ENTRY_POINT_GROUP].strip().splitlines()
+    declared = dict(line.split(' = ') for line in lines)
+    assert declared == {spec.name: f'{spec.module}:PATCH' for spec in PATCHES}
+
+
+def test_status_reports_every_patch_of_the_registry() -> None:
+    assert [row['name'] for row in status_report()['patches']] == [spec.name for spec in PATCHES]
+
+
+def test_every_requirement_names_a_patch_listed_before_it() -> None:
+    order = [spec.name for spec in PATCHES]
+    for spec in PATCHES:
+        assert all(name in BY_NAME and order.index(name) < order.index(spec.name) for name in spec.requires)
+
+
+def test_every_switch_tunes_known_patches() -> None:
+    assert all(set(setting.patches) <= set(BY_NAME) for setting in settings.DURATIONS)
