@@ -32,5 +32,6 @@ class BuildWithStartupHook(build_py):
 
 setup(
     cmdclass={'build_py': BuildWithStartupHook},
-    extras_require={'lmdeploy': [lmdeploy_requirement()]},
+    # plot: `lmdeploy-pdfix soak` draws its samples with matplotlib
+    extras_require={'lmdeploy': [lmdeploy_requirement()], 'plot': ['matplotlib']},
 )

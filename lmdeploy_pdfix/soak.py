@@ -151,8 +151,13 @@ def write_samples(rows: list[dict[str, Any]], out: Path) -> tuple[Path, Path | N
     return csv_path, plot_samples(rows, out / 'samples.png') if rows else None
 
 
-def plot_samples(rows: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
+def plot_samples(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """A PNG of the samples; None where matplotlib is missing (``pip install lmdeploy-pdfix[plot]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print('no plot: matplotlib is not installed (pip install "lmdeploy-pdfix[plot]")', file=sys.stderr)
+        return None
 
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
