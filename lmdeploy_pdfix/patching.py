@@ -159,5 +159,19 @@ def coroutine_problem(owner: Any, attribute: str) -> str | None:
     return None
 
 
+def attribute_problem(cls: Any, names: Sequence[str]) -> str | None:
+    """Why instances of ``cls`` may lack one of ``names`` that a patch reads at run time, or None.
+
+    An instance attribute cannot be looked up before an instance exists, so it counts as present when it is a
+    class attribute or property, a dataclass field, or a name ``__init__`` uses (``self.name = …`` puts it in the
+    code's names). A rename upstream is then refused at apply instead of failing on every request.
+    """
+    init = getattr(cls, '__init__', None)
+    code = getattr(wrapped_original(init) or init, '__code__', None)
+    known = {*getattr(cls, '__dataclass_fields__', {}), *(code.co_names if code is not None else ())}
+    missing = [name for name in names if not hasattr(cls, name) and name not in known]
+    return f'{cls.__name__} has no {", ".join(missing)}' if missing else None
+
+
 def first_problem(*problems: str | None) -> str | None:
     return next((problem for problem in problems if problem is not None), None)

@@ -67,3 +67,34 @@ def test_a_foreign_wrapper_over_ours_is_neither_stripped_nor_mistaken_for_ours()
     install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})')
     assert wrapped_original(Owner.method) is foreign
     assert Owner().method() == 'ours(foreign(ours(stock)))'
+
+
+def _renamed_in_init(module_name: str, cls: str):
+    def rename(monkeypatch: pytest.MonkeyPatch) -> None:
+        def __init__(self, *args, **kwargs) -> None:  # sets none of the attributes the patch reads
+            self.renamed = True
+
+        monkeypatch.setattr(getattr(importlib.import_module(module_name), cls), '__init__', __init__)
+
+    return rename
+
+
+RENAMED = {
+    'proxy_distserve': lambda monkeypatch: monkeypatch.delattr(
+        importlib.import_module('lmdeploy.serve.proxy.proxy').node_manager, 'aiotimeout'),
+    'migration_faults': _renamed_in_init('lmdeploy.pytorch.engine.engine_loop', 'EngineLoop'),
+    'engine_sessions': _renamed_in_init('lmdeploy.pytorch.paging.scheduler', 'Scheduler'),
+}
+
+
+@pytest.mark.parametrize('name', RENAMED)
+def test_an_attribute_a_patch_reads_at_run_time_renamed_upstream_is_refused_at_apply(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = next(spec for spec in PATCHES if spec.name == name)
+    module = importlib.import_module(spec.target)
+    RENAMED[name](monkeypatch)
+    patch = load_patch(spec)
+
+    assert patch.apply(module) is PatchState.REFUSED
+    assert ' has no ' in patch.reason
+    patch.state, patch.reason = PatchState.PENDING, None  # other tests apply it afresh

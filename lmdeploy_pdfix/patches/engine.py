@@ -29,6 +29,7 @@ from typing import Any
 from lmdeploy_pdfix.patches._node_book import book_of
 from lmdeploy_pdfix.patching import (
     Patch,
+    attribute_problem,
     first_problem,
     install_wrapper,
     lmdeploy_logger,
@@ -40,6 +41,7 @@ from lmdeploy_pdfix.preserved import Answer, ReleaseCause, Verdict
 SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
 WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'
 CONFIG_MODULE = 'lmdeploy.pytorch.config'
+MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 
 _RECLAIM_INTERVAL_CAP_S = 30.0
 
@@ -194,7 +196,12 @@ class EngineSessionsPatch(Patch):
         clashes = [name for name in WORKER_METHODS if hasattr(worker, name) and not _is_ours(worker, name)]
         if clashes:
             return f'EngineWorkerBase already has {clashes}'
+        messages = importlib.import_module(MESSAGES_MODULE)
         return first_problem(
+            attribute_problem(scheduler, ['sessions', 'block_manager']),
+            attribute_problem(messages.SchedulerSession, ['sequences']),
+            attribute_problem(messages.SchedulerSequence, ['preserve_cache', 'status']),
+            attribute_problem(engine, ['scheduler']),
             signature_problem(engine, '_on_end_session', ['self', 'reqs', 'kwargs']),
             signature_problem(engine, '_response', ['self', 'resp', 'resp_type', 'data', 'err_msg']),
             signature_problem(engine, 'end_session', ['self', 'session_id']),

@@ -41,6 +41,7 @@ from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patches._node_book import book_of
 from lmdeploy_pdfix.patching import (
     Patch,
+    attribute_problem,
     coroutine_problem,
     first_problem,
     install_wrapper,
@@ -51,6 +52,8 @@ from lmdeploy_pdfix.patching import (
 
 MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
 BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
+MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
+SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
 
 Migrate = Callable[[Any, list[Any]], Awaitable[None]]
 Respond = Callable[..., None]
@@ -225,7 +228,12 @@ class MigrationFaultsPatch(Patch):
         block_manager = getattr(importlib.import_module(BLOCK_MANAGER_MODULE), 'BaseBlockManager', None)
         if block_manager is None:
             return 'BaseBlockManager is missing'
+        sequence = importlib.import_module(MESSAGES_MODULE).SchedulerSequence
+        scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
         return first_problem(
+            attribute_problem(loop, ['scheduler', 'req_manager', 'engine_conn', 'migration_event']),
+            attribute_problem(sequence, ['logical_blocks', 'migration_request', 'status', 'session_id']),
+            attribute_problem(scheduler, ['block_manager']),
             signature_problem(loop, '_migration_loop_migrate', ['self', 'migration_ready']),
             signature_problem(loop, '_migration_loop_process_ready', ['self', 'migration_ready']),
             coroutine_problem(loop, '_migration_loop_migrate'),

@@ -47,6 +47,9 @@ from lmdeploy_pdfix.patching import (
 
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
 GC_PATH = '/distserve/gc'
+# What the relay and the heartbeat read of LMDeploy's node manager at run time
+NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config', 'pd_connection_pool',
+                      'dummy_prefill', 'serving_strategy')
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
 GC_AGE_S = settings.GC_AGE_S.value()
 HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
@@ -180,6 +183,9 @@ class ProxyDistServePatch(Patch):
         if not hasattr(protocol, 'DistServeCacheFreeRequest'):
             return 'DistServeCacheFreeRequest is missing'
         manager = module.NodeManager
+        read = [name for name in NODE_MANAGER_READS if not hasattr(module.node_manager, name)]
+        if read:
+            return f'node_manager has no {", ".join(read)}'
         return first_problem(
             signature_problem(manager, 'get_node_url', ['self', 'model_name', 'role']),
             signature_problem(manager, 'pre_call', ['self', 'node_url']),
