@@ -1,37 +1,16 @@
 """The cache owner: which internal Prefill scheduler session holds a preserved KV cache.
 
-A Prefill node answering a ``with_cache`` request names the owner in ``cache_session_id``. The proxy
-carries it, and only it, to the Decode node (``migration_request.remote_session_id``), onto its shelf and
-into every release. The public response ``id`` is never an owner: for chat it is ``chatcmpl-…``, for
-completions it is the caller's ``session_id`` (``-1`` by default).
+A Prefill node answering a ``with_cache`` request names the owner in ``cache_session_id``
+(:mod:`lmdeploy_pdfix.protocol`). The proxy carries it, and only it, to the Decode node
+(``migration_request.remote_session_id``) and into every release. The public response ``id`` is never an
+owner: for chat it is ``chatcmpl-…``, for completions it is the caller's ``session_id`` (``-1`` by default).
 """
 
 from __future__ import annotations
 
-import json
 import secrets
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
-
-CACHE_OWNER_FIELD = 'cache_session_id'
-
-# A Prefill answer that is already the whole answer (the first token was a stop token): nothing to migrate,
-# and the Prefill node has already ended the session.
-PREFILL_FINISHED_FIELD = 'prefill_finished'
-
-# A node that names cache owners says so here; the proxy asks before it routes DistServe traffic to it.
-CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
-# A Decode node confirms with the Prefill node that an owner still holds its blocks before it migrates them.
-CLAIM_PATH = '/distserve/pdfix/claim'
-# The books of the proxy and of each node.
-AUDIT_PATH = '/distserve/pdfix/audit'
-# A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
-DUMMY_PREFILL_FIELD = 'dummy_prefill'
-
-FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
-            'and upgrade the proxy and every Prefill node together.')
-
 
 # An owner id is ``incarnation << 32 | n``: each api_server process numbers its sessions from a fresh random
 # base, so an id from before a node restart can never name a session of the restarted node (D14), and the
@@ -52,30 +31,12 @@ def incarnation_of(owner: int) -> int:
     return owner >> INCARNATION_SHIFT
 
 
-class PrefillAnswerError(ValueError):
-    """A Prefill answer the proxy cannot migrate from; ``owner`` is set where it could still be read."""
-
-    def __init__(self, problem: str, owner: int | None = None) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.owner = owner
-
-
-@dataclass(frozen=True)
-class PrefillAnswer:
-    """What a Decode node needs to take over a preserved Prefill cache."""
-
-    owner: int
-    block_ids: list[int]
-    first_token_id: int
-
-
 def is_owner_id(value: Any) -> bool:
     """Internal scheduler session ids are non-negative ints."""
-    return _is_index(value)
+    return is_index(value)
 
 
-def _is_index(value: Any) -> bool:
+def is_index(value: Any) -> bool:
     # bool is an int subclass, but True is never a session, block or token id
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -88,77 +49,3 @@ def single_owner(session_ids: Sequence[int]) -> int | None:
 def finished_without_tokens(finish_reason: str | None, generated_tokens: int) -> bool:
     """A generation that ended before producing a token (its first token was a stop token)."""
     return finish_reason is not None and generated_tokens == 0
-
-
-def is_finished_at_prefill(body: Any) -> bool:
-    return isinstance(body, dict) and body.get(PREFILL_FINISHED_FIELD) is True
-
-
-def with_owner(body: dict[str, Any], owner: int | None) -> dict[str, Any]:
-    """``body`` with ``cache_session_id`` added when it carries a retained cache (``cache_block_ids``)."""
-    if owner is not None and 'cache_block_ids' in body:
-        body[CACHE_OWNER_FIELD] = owner
-    return body
-
-
-def sse_chunk_with_owner(chunk: str | bytes, owner: int | None) -> str | bytes:
-    """A ``data: {...}`` stream chunk with the owner added if that chunk carries ``cache_block_ids``."""
-    text = chunk.decode() if isinstance(chunk, bytes) else chunk
-    if owner is None or '"cache_block_ids"' not in text:
-        return chunk
-    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner))
-
-
-def sse_chunk_rewritten(chunk: str | bytes, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str | bytes:
-    """A stream chunk with every ``data: {...}`` event passed through ``rewrite``; other events unchanged."""
-    text = chunk.decode() if isinstance(chunk, bytes) else chunk
-    rewritten = '\n\n'.join(_event_rewritten(event, rewrite) for event in text.split('\n\n'))
-    return rewritten.encode() if isinstance(chunk, bytes) else rewritten
-
-
-def _event_rewritten(event: str, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
-    prefix = 'data: '
-    if not event.startswith(prefix):
-        return event
-    try:
-        payload = json.loads(event[len(prefix):])
-    except ValueError:
-        return event
-    if not isinstance(payload, dict):
-        return event
-    return prefix + json.dumps(rewrite(payload))
-
-
-def parse_prefill_answer(body: Any) -> PrefillAnswer:
-    """Validate a Prefill node's answer to a ``with_cache`` request; raise :class:`PrefillAnswerError`."""
-    if not isinstance(body, dict):
-        raise PrefillAnswerError(f'the Prefill node answered {type(body).__name__}, not a JSON object')
-    if CACHE_OWNER_FIELD not in body:
-        raise PrefillAnswerError(f'the Prefill answer has no {CACHE_OWNER_FIELD!r}, so the proxy cannot tell '
-                                 f'which Prefill session holds the cache. {FIX_HINT}')
-    owner = body[CACHE_OWNER_FIELD]
-    if not is_owner_id(owner):
-        raise PrefillAnswerError(f'the Prefill answer has an invalid {CACHE_OWNER_FIELD!r}: {owner!r} '
-                                 f'(expected a non-negative integer). {FIX_HINT}')
-    block_ids = body.get('cache_block_ids')
-    if not _is_int_list(block_ids) or not block_ids:
-        raise PrefillAnswerError(f'the Prefill answer has no usable cache_block_ids: {block_ids!r}', owner)
-    token_ids = body.get('remote_token_ids')
-    if not _is_int_list(token_ids) or not token_ids:
-        raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
-    return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1])
-
-
-def migration_request_problem(owner: Any, block_ids: Any) -> str | None:
-    """Why a migration of ``block_ids`` owned by ``owner`` cannot be right, or None."""
-    if not is_owner_id(owner):
-        return f'remote_session_id {owner!r} is not a cache owner (a non-negative integer)'
-    if not _is_int_list(block_ids) or not block_ids:
-        return f'remote_block_ids {block_ids!r} is not a non-empty list of block ids'
-    if len(set(block_ids)) != len(block_ids):
-        return f'remote_block_ids {block_ids!r} names a block twice'
-    return None
-
-
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(_is_index(item) for item in value)

@@ -21,7 +21,7 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
     DistServeInitResponse,
 )
 
-from lmdeploy_pdfix.owner_ids import CAPABILITIES_PATH
+from lmdeploy_pdfix.protocol import CAPABILITIES_PATH
 
 MODEL = 'pdfix-stand-in'
 BLOCK_IDS = [3, 4]

@@ -6,16 +6,12 @@ import json
 
 import pytest
 
-from lmdeploy_pdfix.owner_ids import (
+from lmdeploy_pdfix.owner_ids import first_session_id, incarnation_of, is_owner_id, new_incarnation, single_owner
+from lmdeploy_pdfix.protocol import (
     CACHE_OWNER_FIELD,
     PrefillAnswerError,
-    first_session_id,
-    incarnation_of,
-    is_owner_id,
     migration_request_problem,
-    new_incarnation,
     parse_prefill_answer,
-    single_owner,
     sse_chunk_with_owner,
     with_owner,
 )

@@ -27,7 +27,7 @@ from lmdeploy.serve.core.async_engine import GenOut, PreprocessedRequest
 from lmdeploy.serve.managers.session_manager import Session, SessionManager
 from lmdeploy.serve.parsers import ResponseParserManager
 
-from lmdeploy_pdfix.owner_ids import CACHE_OWNER_FIELD, CAPABILITIES_PATH
+from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, CAPABILITIES_PATH
 
 MODEL = 'pdfix-test-model'
 # The server has already handed out this many scheduler sessions, so internal ids never coincide with the

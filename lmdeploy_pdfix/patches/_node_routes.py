@@ -31,11 +31,17 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from lmdeploy_pdfix.owner_ids import AUDIT_PATH, CLAIM_PATH, migration_request_problem
 from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
+from lmdeploy_pdfix.protocol import (
+    AUDIT_PATH,
+    CLAIM_PATH,
+    P2P_CONNECT_PATH,
+    P2P_DROP_CONNECT_PATH,
+    P2P_INITIALIZE_PATH,
+    migration_request_problem,
+)
 
-FREE_PATH = '/distserve/free_cache'
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 _CLAIM_STATUS = {
@@ -139,9 +145,9 @@ def forget_link(drop_request: Any) -> None:
 
 # LMDeploy's link routes, by path: the engine method each calls, and what this node notes of it afterwards.
 LINK_ROUTES: dict[str, tuple[str, Any]] = {
-    '/distserve/p2p_initialize': ('p2p_initialize', record_link),
-    '/distserve/p2p_connect': ('p2p_connect', None),
-    '/distserve/p2p_drop_connect': ('p2p_drop_connect', forget_link),
+    P2P_INITIALIZE_PATH: ('p2p_initialize', record_link),
+    P2P_CONNECT_PATH: ('p2p_connect', None),
+    P2P_DROP_CONNECT_PATH: ('p2p_drop_connect', forget_link),
 }
 
 

@@ -22,19 +22,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
-from lmdeploy_pdfix.owner_ids import (
+from lmdeploy_pdfix.patching import lmdeploy_logger
+from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
+    CHAT_PATH,
     FIX_HINT,
+    FREE_PATH,
     PREFILL_FINISHED_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
     is_finished_at_prefill,
     parse_prefill_answer,
 )
-from lmdeploy_pdfix.patching import lmdeploy_logger
 
-CHAT_PATH = '/v1/chat/completions'
-COMPLETIONS_PATH = '/v1/completions'
 RELEASE_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
@@ -51,7 +51,7 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
     free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
-                session.post(f'{p_url}/distserve/free_cache', json=free.model_dump(mode='json')) as response:
+                session.post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json')) as response:
             await response.read()
             if response.status == HTTPStatus.OK:
                 return True

@@ -27,10 +27,7 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.ledger import OwnerLedger, ReleaseCause
-from lmdeploy_pdfix.owner_ids import AUDIT_PATH
 from lmdeploy_pdfix.patches._relay import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
     relay_distserve,
     release,
     until_client_leaves,
@@ -44,9 +41,9 @@ from lmdeploy_pdfix.patching import (
     remove_wrapper,
     signature_problem,
 )
+from lmdeploy_pdfix.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH
 
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
-GC_PATH = '/distserve/gc'
 # What the relay and the heartbeat read of LMDeploy's node manager at run time
 NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config', 'pd_connection_pool',
                       'dummy_prefill', 'serving_strategy')

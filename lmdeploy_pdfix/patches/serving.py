@@ -30,20 +30,8 @@ import shortuuid
 from fastapi.responses import StreamingResponse
 
 from lmdeploy_pdfix import __version__
-from lmdeploy_pdfix.owner_ids import (
-    CAPABILITIES_PATH,
-    DUMMY_PREFILL_FIELD,
-    PREFILL_FINISHED_FIELD,
-    finished_without_tokens,
-    first_session_id,
-    new_incarnation,
-    single_owner,
-    sse_chunk_rewritten,
-    sse_chunk_with_owner,
-    with_owner,
-)
+from lmdeploy_pdfix.owner_ids import finished_without_tokens, first_session_id, new_incarnation, single_owner
 from lmdeploy_pdfix.patches._node_routes import (
-    FREE_PATH,
     LINK_ROUTES,
     add_node_routes,
     engine_book_available,
@@ -57,12 +45,22 @@ from lmdeploy_pdfix.patches._node_routes import (
 from lmdeploy_pdfix.patches._routes import swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
 from lmdeploy_pdfix.preserved import ReleaseCause
+from lmdeploy_pdfix.protocol import (
+    CAPABILITIES_PATH,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    DUMMY_PREFILL_FIELD,
+    FREE_PATH,
+    PREFILL_FINISHED_FIELD,
+    sse_chunk_rewritten,
+    sse_chunk_with_owner,
+    with_owner,
+)
 
 # The routes whose ``with_cache`` answers must name their owner, by the module that registers each.
-CHAT_PATH = '/v1/chat/completions'
 ENDPOINT_MODULES = {
     'lmdeploy.serve.openai.chat_completions': CHAT_PATH,
-    'lmdeploy.serve.openai.endpoints.completions': '/v1/completions',
+    'lmdeploy.serve.openai.endpoints.completions': COMPLETIONS_PATH,
 }
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'

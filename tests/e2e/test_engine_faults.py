@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.owner_ids import AUDIT_PATH, incarnation_of
+from lmdeploy_pdfix.owner_ids import incarnation_of
+from lmdeploy_pdfix.protocol import AUDIT_PATH
 from lmdeploy_pdfix.sim import client, faults
 from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster
 from tests.e2e.conftest import MODES

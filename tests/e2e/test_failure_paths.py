@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.owner_ids import FIX_HINT
+from lmdeploy_pdfix.protocol import FIX_HINT
 from lmdeploy_pdfix.sim import client
 from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster, prefill_forwards
 from tests.e2e.conftest import MODES

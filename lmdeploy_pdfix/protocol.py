@@ -1,0 +1,133 @@
+"""What crosses the wire between the proxy and the nodes: paths, field names, and the one validating parse of each.
+
+Both sides import it, so a path or a field is named once. Everything that arrives over the network is checked
+here before it is used (:func:`parse_prefill_answer`, :func:`migration_request_problem`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lmdeploy_pdfix.owner_ids import is_index, is_owner_id
+
+# LMDeploy's routes the relay serves and calls
+CHAT_PATH = '/v1/chat/completions'
+COMPLETIONS_PATH = '/v1/completions'
+FREE_PATH = '/distserve/free_cache'
+GC_PATH = '/distserve/gc'
+P2P_INITIALIZE_PATH = '/distserve/p2p_initialize'
+P2P_CONNECT_PATH = '/distserve/p2p_connect'
+P2P_DROP_CONNECT_PATH = '/distserve/p2p_drop_connect'
+
+CACHE_OWNER_FIELD = 'cache_session_id'
+
+# A Prefill answer that is already the whole answer (the first token was a stop token): nothing to migrate,
+# and the Prefill node has already ended the session.
+PREFILL_FINISHED_FIELD = 'prefill_finished'
+
+# A node that names cache owners says so here; the proxy asks before it routes DistServe traffic to it.
+CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
+# A Decode node confirms with the Prefill node that an owner still holds its blocks before it migrates them.
+CLAIM_PATH = '/distserve/pdfix/claim'
+# The books of the proxy and of each node.
+AUDIT_PATH = '/distserve/pdfix/audit'
+# A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
+DUMMY_PREFILL_FIELD = 'dummy_prefill'
+
+FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
+            'and upgrade the proxy and every Prefill node together.')
+
+
+class PrefillAnswerError(ValueError):
+    """A Prefill answer the proxy cannot migrate from; ``owner`` is set where it could still be read."""
+
+    def __init__(self, problem: str, owner: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.owner = owner
+
+
+@dataclass(frozen=True)
+class PrefillAnswer:
+    """What a Decode node needs to take over a preserved Prefill cache."""
+
+    owner: int
+    block_ids: list[int]
+    first_token_id: int
+
+
+def is_finished_at_prefill(body: Any) -> bool:
+    return isinstance(body, dict) and body.get(PREFILL_FINISHED_FIELD) is True
+
+
+def with_owner(body: dict[str, Any], owner: int | None) -> dict[str, Any]:
+    """``body`` with ``cache_session_id`` added when it carries a retained cache (``cache_block_ids``)."""
+    if owner is not None and 'cache_block_ids' in body:
+        body[CACHE_OWNER_FIELD] = owner
+    return body
+
+
+def sse_chunk_with_owner(chunk: str | bytes, owner: int | None) -> str | bytes:
+    """A ``data: {...}`` stream chunk with the owner added if that chunk carries ``cache_block_ids``."""
+    text = chunk.decode() if isinstance(chunk, bytes) else chunk
+    if owner is None or '"cache_block_ids"' not in text:
+        return chunk
+    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner))
+
+
+def sse_chunk_rewritten(chunk: str | bytes, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str | bytes:
+    """A stream chunk with every ``data: {...}`` event passed through ``rewrite``; other events unchanged."""
+    text = chunk.decode() if isinstance(chunk, bytes) else chunk
+    rewritten = '\n\n'.join(_event_rewritten(event, rewrite) for event in text.split('\n\n'))
+    return rewritten.encode() if isinstance(chunk, bytes) else rewritten
+
+
+def _event_rewritten(event: str, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str:
+    prefix = 'data: '
+    if not event.startswith(prefix):
+        return event
+    try:
+        payload = json.loads(event[len(prefix):])
+    except ValueError:
+        return event
+    if not isinstance(payload, dict):
+        return event
+    return prefix + json.dumps(rewrite(payload))
+
+
+def parse_prefill_answer(body: Any) -> PrefillAnswer:
+    """Validate a Prefill node's answer to a ``with_cache`` request; raise :class:`PrefillAnswerError`."""
+    if not isinstance(body, dict):
+        raise PrefillAnswerError(f'the Prefill node answered {type(body).__name__}, not a JSON object')
+    if CACHE_OWNER_FIELD not in body:
+        raise PrefillAnswerError(f'the Prefill answer has no {CACHE_OWNER_FIELD!r}, so the proxy cannot tell '
+                                 f'which Prefill session holds the cache. {FIX_HINT}')
+    owner = body[CACHE_OWNER_FIELD]
+    if not is_owner_id(owner):
+        raise PrefillAnswerError(f'the Prefill answer has an invalid {CACHE_OWNER_FIELD!r}: {owner!r} '
+                                 f'(expected a non-negative integer). {FIX_HINT}')
+    block_ids = body.get('cache_block_ids')
+    if not _is_int_list(block_ids) or not block_ids:
+        raise PrefillAnswerError(f'the Prefill answer has no usable cache_block_ids: {block_ids!r}', owner)
+    token_ids = body.get('remote_token_ids')
+    if not _is_int_list(token_ids) or not token_ids:
+        raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
+    return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1])
+
+
+def migration_request_problem(owner: Any, block_ids: Any) -> str | None:
+    """Why a migration of ``block_ids`` owned by ``owner`` cannot be right, or None."""
+    if not is_owner_id(owner):
+        return f'remote_session_id {owner!r} is not a cache owner (a non-negative integer)'
+    if not _is_int_list(block_ids) or not block_ids:
+        return f'remote_block_ids {block_ids!r} is not a non-empty list of block ids'
+    if len(set(block_ids)) != len(block_ids):
+        return f'remote_block_ids {block_ids!r} names a block twice'
+    return None
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(is_index(item) for item in value)
