@@ -36,8 +36,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         name='proxy_distserve',
         module='lmdeploy_pdfix.patches.proxy',
         target='lmdeploy.serve.proxy.proxy',
-        summary=('DistServe chat/completions migrate and release by cache_session_id only, on every path; '
-                 'the heartbeat registers a node again once it answers'),
+        summary='DistServe chat/completions migrate and release by cache_session_id only, on every path',
+    ),
+    PatchSpec(
+        name='proxy_heartbeat',
+        module='lmdeploy_pdfix.patches.proxy_heartbeat',
+        target='lmdeploy.serve.proxy.proxy',
+        summary='The heartbeat asks every node under a timeout and registers a removed node again once it answers',
     ),
     PatchSpec(
         name='proxy_connections',
@@ -62,7 +67,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.engine_loop',
         target='lmdeploy.pytorch.engine.engine_loop',
         summary=('A failing or hanging migration fails its own request; an aborted one frees no block still being '
-                 'written and never makes the migration loop spin'),
+                 'written and is skipped, its Prefill cache freed'),
+    ),
+    PatchSpec(
+        name='migration_wakeups',
+        module='lmdeploy_pdfix.patches.migration_wakeups',
+        target='lmdeploy.pytorch.engine.engine_loop',
+        summary='The Decode migration loop sleeps until the next migration request, never spinning after an abort',
     ),
     PatchSpec(
         name='engine_connections',

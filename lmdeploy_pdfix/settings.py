@@ -58,7 +58,7 @@ CONNECT_TIMEOUT_S = Seconds(
     patches=('proxy_connections',), help='how long a request waits for a Prefill/Decode link to come up')
 HEALTH_TIMEOUT_S = Seconds(
     'LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='proxy',
-    patches=('proxy_distserve',),
+    patches=('proxy_heartbeat',),
     help="how long the heartbeat waits for a node's `/health`; a node that fails it is removed and registered "
          "again once it answers (the heartbeat's period stays LMDeploy's `LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION`, "
          '90 s)')

@@ -1,9 +1,12 @@
 """The README's tables of switches and patches, generated from ``settings`` and ``registry``.
 
-``python scripts/readme_tables.py`` prints them; ``tests/test_docs.py`` checks the README holds exactly these rows.
+``python scripts/readme_tables.py`` rewrites them in README.md; ``tests/test_docs.py`` checks the README holds
+exactly these rows.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.registry import PATCHES
@@ -27,8 +30,24 @@ def patch_rows() -> list[str]:
             f'{", ".join(f"`{name}`" for name in spec.requires) or "-"} | {spec.summary} |' for spec in PATCHES]
 
 
+SWITCHES_HEADER = '| variable | effect |'
+PATCHES_HEADER = '| name | LMDeploy module | requires | fix |'
+README = Path(__file__).resolve().parent.parent / 'README.md'
+
+
+def table_rows(lines: list[str], header: str) -> slice:
+    """Where the rows of the table under ``header`` stand in ``lines``."""
+    start = lines.index(header) + 2
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith('|'))
+    return slice(start, end)
+
+
+def main() -> None:
+    lines = README.read_text().split('\n')
+    for header, rows in ((SWITCHES_HEADER, switch_rows()), (PATCHES_HEADER, patch_rows())):
+        lines[table_rows(lines, header)] = rows
+    README.write_text('\n'.join(lines))
+
+
 if __name__ == '__main__':
-    print('| variable | effect |\n|---|---|')
-    print('\n'.join(switch_rows()))
-    print('\n| name | LMDeploy module | requires | fix |\n|---|---|---|---|')
-    print('\n'.join(patch_rows()))
+    main()

@@ -12,22 +12,20 @@ from lmdeploy_pdfix.registry import BY_NAME, ENTRY_POINT_GROUP, PATCHES
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'scripts'))
-from readme_tables import patch_rows, switch_rows  # noqa: E402
+from readme_tables import PATCHES_HEADER, README, SWITCHES_HEADER, patch_rows, switch_rows, table_rows  # noqa: E402
 
 
 def readme_rows(header: str) -> list[str]:
-    lines = (ROOT / 'README.md').read_text().splitlines()
-    start = lines.index(header) + 2
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith('|'))
-    return lines[start:end]
+    lines = README.read_text().split('\n')
+    return lines[table_rows(lines, header)]
 
 
 def test_the_readme_lists_every_switch_as_the_settings_declare_it() -> None:
-    assert readme_rows('| variable | effect |') == switch_rows(), 'run scripts/readme_tables.py'
+    assert readme_rows(SWITCHES_HEADER) == switch_rows(), 'run scripts/readme_tables.py'
 
 
 def test_the_readme_lists_every_patch_as_the_registry_declares_it() -> None:
-    assert readme_rows('| name | LMDeploy module | requires | fix |') == patch_rows(), 'run scripts/readme_tables.py'
+    assert readme_rows(PATCHES_HEADER) == patch_rows(), 'run scripts/readme_tables.py'
 
 
 def test_the_entry_points_are_the_registry() -> None:

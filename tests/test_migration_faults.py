@@ -326,9 +326,19 @@ class SpinWatch:
         self._thread.join()
 
 
+@pytest.fixture
+async def decode_waking(apply_patch: Callable[[str], ModuleType], loop_module: ModuleType) -> AsyncIterator[DecodeNode]:
+    """A Decode node whose migration loop also has the ``migration_wakeups`` patch (D20)."""
+    apply_patch('migration_wakeups')
+    node = make_decode_node(loop_module)
+    yield node
+    await other_tasks_done()
+
+
 @pytest.mark.regression
 async def test_a_migration_request_aborted_before_its_turn_does_not_make_the_migration_loop_spin(
-        decode: DecodeNode) -> None:
+        decode_waking: DecodeNode) -> None:
+    decode = decode_waking
     # D20: the request sets migration_event; its abort takes it out of MIGRATION_WAITING before the loop looks
     gone = decode.receive('prefill-a', 11)
     abort(decode, gone)

@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from lmdeploy_pdfix.patches import proxy as proxy_patch
+from lmdeploy_pdfix.patches import proxy_heartbeat
 from tests.servers import serving
 
 HEALTH_TIMEOUT_S = 0.5
@@ -44,11 +44,11 @@ def node_app(health: Health) -> FastAPI:
 
 @pytest.fixture
 def proxy(apply_patch, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    monkeypatch.setattr(proxy_patch, 'HEALTH_TIMEOUT_S', HEALTH_TIMEOUT_S)
+    monkeypatch.setattr(proxy_heartbeat, 'HEALTH_TIMEOUT_S', HEALTH_TIMEOUT_S)
     module = importlib.import_module('lmdeploy.serve.proxy.proxy')
     nodes = module.node_manager
     monkeypatch.setattr(nodes, 'cache_status', False)  # never write proxy_config.json into site-packages
-    apply_patch('proxy_distserve')
+    apply_patch('proxy_heartbeat')
     yield module
     nodes.nodes.clear()
 

@@ -12,7 +12,7 @@ is counted in the node's book, and the rest of the batch and every later one go 
 LMDeploy's code unchanged (it skips them).
 
 A Decode request aborted while it waits for or undergoes its migration (its client left: STOP_SESSION, then
-END_SESSION) ends cleanly too (issue 9, D20):
+END_SESSION) ends cleanly too (issue 9; the loop that never spins after one is `migration_wakeups`, D20):
 
 - Its Decode blocks are pinned for as long as its transfer runs, so an abort in the middle of the copy cannot
   hand them to another request while the copy still writes into them (stock: wrong text, HTTP 200, for the
@@ -21,11 +21,6 @@ END_SESSION) ends cleanly too (issue 9, D20):
   assert, as its blocks are gone); one aborted during its transfer is not activated and publishes nothing
   ("Cannot publish output after stream completion"). The Prefill cache of a migration that never ran is
   freed at once over LMDeploy's own ZMQ link; the node's book releases it only once, whoever frees it first.
-- D20: LMDeploy sets ``migration_event`` when a migration request arrives and clears it only when a batch is
-  ready, so a request aborted before the loop scheduled it leaves the event set with nothing waiting, and
-  ``migration_loop`` spins on ``await migration_event.wait()`` without ever yielding: the engine process
-  answers nothing again, ``/health`` turns 503 and the proxy drops the node. The event is made self-clearing
-  (it clears as a wait returns), so the loop sleeps until the next migration request.
 """
 
 from __future__ import annotations
@@ -164,41 +159,6 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
     transfer.add_done_callback(release)
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        lmdeploy_logger().warning('lmdeploy-pdfix: %s', message)
-
-
-class _SelfClearingEvent(asyncio.Event):
-    """D20: an event that clears as a wait returns, so a wake-up with nothing to do is not seen again."""
-
-    async def wait(self) -> bool:
-        await super().wait()
-        self.clear()
-        return True
-
-
-def _self_clearing_migration_event(original):
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        # LMDeploy sets it after adding a migration request, so a clear after the wait loses no wake-up:
-        # the loop then schedules, and sees every request added before the set.
-        event = getattr(self, 'migration_event', None)
-        if isinstance(event, _SelfClearingEvent):
-            return
-        if type(event) is not asyncio.Event or event.is_set():
-            _warn_once(f'EngineLoop.migration_event is {event!r}, not a fresh asyncio.Event; the migration loop '
-                       'may spin after an aborted migration request (D20)')
-            return
-        self.migration_event = _SelfClearingEvent()
-
-    return __init__
-
-
 def _fail(loop: Any, msg: Any, failure: MigrationFailure, respond: Respond, error_type: Any) -> None:
     request = msg.migration_request
     remote_engine = getattr(request, 'remote_engine_id', None)
@@ -231,13 +191,12 @@ class MigrationFaultsPatch(Patch):
         sequence = importlib.import_module(MESSAGES_MODULE).SchedulerSequence
         scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
         return first_problem(
-            attribute_problem(loop, ['scheduler', 'req_manager', 'engine_conn', 'migration_event']),
+            attribute_problem(loop, ['scheduler', 'req_manager', 'engine_conn']),
             attribute_problem(sequence, ['logical_blocks', 'migration_request', 'status', 'session_id']),
             attribute_problem(scheduler, ['block_manager']),
             signature_problem(loop, '_migration_loop_migrate', ['self', 'migration_ready']),
             signature_problem(loop, '_migration_loop_process_ready', ['self', 'migration_ready']),
             coroutine_problem(loop, '_migration_loop_migrate'),
-            coroutine_problem(loop, 'migration_loop'),
             signature_problem(module, 'response_reqs', ['req_manager', 'resp', 'resp_type', 'data', 'err_msg']),
             signature_problem(block_manager, 'pin_logical_blocks', ['self', 'logical_block_ids']),
             signature_problem(block_manager, 'release_logical_blocks', ['self', 'logical_block_ids']),
@@ -248,11 +207,9 @@ class MigrationFaultsPatch(Patch):
         ready = module.MessageStatus.MIGRATION_READY
         install_wrapper(module.EngineLoop, '_migration_loop_migrate',
                         lambda original: _migrating_each_alone(original, module.response_reqs, error_type, ready))
-        install_wrapper(module.EngineLoop, '__init__', _self_clearing_migration_event)
 
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.EngineLoop, '_migration_loop_migrate')
-        remove_wrapper(module.EngineLoop, '__init__')
 
 
 PATCH = MigrationFaultsPatch()

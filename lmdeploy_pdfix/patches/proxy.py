@@ -7,21 +7,12 @@ our own relay (``_relay.py``), which takes the owner from ``cache_session_id`` o
 invalid owner with a clear 502, releases the Prefill cache on every failure it sees, and returns the Decode
 node's status as it is. It also makes ``POST /distserve/gc`` work (D17) and adds ``GET
 /distserve/pdfix/audit``. Hybrid mode and ``--dummy-prefill`` keep LMDeploy's own handlers.
-
-The heartbeat (D21): LMDeploy's removes every node whose ``/health`` does not answer 200, for good (a node
-registers once, at its start), and asks with no timeout, so one node that accepts connections but answers
-nothing stops the heartbeat itself. A node that was merely slow for one heartbeat thus turned a working
-cluster into "No Decode node serves model" until restarted by hand (issue 9). The heartbeat here asks every
-node at once, each under ``LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S``, removes those that fail as LMDeploy does, and
-keeps asking them: a removed node that answers again is registered again with its role and models.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
@@ -36,9 +27,6 @@ from lmdeploy_pdfix.patches._routes import find_post_route, restore_route, swap_
 from lmdeploy_pdfix.patching import (
     Patch,
     first_problem,
-    install_wrapper,
-    lmdeploy_logger,
-    remove_wrapper,
     signature_problem,
 )
 from lmdeploy_pdfix.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH
@@ -49,77 +37,6 @@ NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config'
                       'dummy_prefill', 'serving_strategy')
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
 GC_AGE_S = settings.GC_AGE_S.value()
-HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
-
-
-class RemovedNodes:
-    """Nodes the heartbeat removed, with what they registered as, until they answer again or register anew."""
-
-    def __init__(self) -> None:
-        self._status: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def remember(self, url: str, status: Any) -> None:
-        with self._lock:
-            self._status[url] = status
-
-    def forget(self, url: str) -> None:
-        with self._lock:
-            self._status.pop(url, None)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self._status)
-
-
-def _healthy(url: str) -> bool:
-    import requests
-
-    try:
-        return requests.get(f'{url}/health', timeout=HEALTH_TIMEOUT_S).status_code == 200
-    except requests.RequestException:
-        return False
-
-
-def _heartbeat(removed: RemovedNodes):
-    def make(original):
-        def remove_stale_nodes_by_expiration(self):
-            registered, gone = dict(self.nodes), removed.snapshot()
-            urls = [*registered, *(url for url in gone if url not in registered)]
-            if not urls:
-                return
-            with ThreadPoolExecutor(min(len(urls), 32), thread_name_prefix='pdfix-heartbeat') as pool:
-                health = dict(zip(urls, pool.map(_healthy, urls), strict=True))
-            for url, status in registered.items():
-                if not health[url] and self.nodes.get(url) is status:  # not re-registered meanwhile
-                    self.remove(url)
-                    removed.remember(url, status)
-                    lmdeploy_logger().warning('lmdeploy-pdfix: removed node %s (no healthy answer within %g s); it is '
-                                      'registered again once it answers', url, HEALTH_TIMEOUT_S)
-            for url, status in gone.items():
-                if url in self.nodes:  # it registered anew meanwhile (a restart)
-                    removed.forget(url)
-                elif health[url]:
-                    self.add(url, status.model_copy(update={'unfinished': 0}))  # forgets it: add removes first
-                    lmdeploy_logger().warning('lmdeploy-pdfix: node %s answers again; registered again as %s', url,
-                                      getattr(status.role, 'name', status.role))
-
-        return remove_stale_nodes_by_expiration
-
-    return make
-
-
-def _forgetting_removed(removed: RemovedNodes):
-    def make(original):
-        def remove(self, node_url):
-            removed.forget(node_url)  # removed by an operator, or registering anew: no longer ours to bring back
-            return original(self, node_url)
-
-        return remove
-
-    return make
-
-
 
 
 def _relaying_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger):
@@ -161,7 +78,6 @@ class ProxyDistServePatch(Patch):
         super().__init__()
         self._originals: list[Any] = []
         self.ledger = OwnerLedger()
-        self.removed_nodes = RemovedNodes()
 
     def shape_problem(self, module: ModuleType) -> str | None:
         missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
@@ -188,9 +104,6 @@ class ProxyDistServePatch(Patch):
             signature_problem(manager, 'pre_call', ['self', 'node_url']),
             signature_problem(manager, 'post_call', ['self', 'node_url', 'start']),
             signature_problem(manager, 'check_request_model', ['self', 'model_name']),
-            signature_problem(manager, 'remove_stale_nodes_by_expiration', ['self']),
-            signature_problem(manager, 'remove', ['self', 'node_url']),
-            signature_problem(manager, 'add', ['self', 'node_url', 'status']),
         )
 
     def _apply(self, module: ModuleType) -> None:
@@ -200,8 +113,6 @@ class ProxyDistServePatch(Patch):
             self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self.ledger)))
         self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, self.ledger)))
         module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
-        install_wrapper(module.NodeManager, 'remove_stale_nodes_by_expiration', _heartbeat(self.removed_nodes))
-        install_wrapper(module.NodeManager, 'remove', _forgetting_removed(self.removed_nodes))
 
     def audit(self) -> dict[str, Any]:
         """The proxy's books: open records by state, oldest age, releases by cause, owner rejections."""
@@ -212,8 +123,6 @@ class ProxyDistServePatch(Patch):
         while self._originals:
             restore_route(routes, self._originals.pop())
         routes[:] = [route for route in routes if getattr(route, 'path', None) != AUDIT_PATH]
-        for attribute in ('remove_stale_nodes_by_expiration', 'remove'):
-            remove_wrapper(module.NodeManager, attribute)
 
 
 PATCH = ProxyDistServePatch()
