@@ -30,7 +30,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.serving',
         target='lmdeploy.serve.openai.api_server',
         summary=('Prefill answers name the internal session owning their cache (cache_session_id); truthful frees, '
-                 'claims, node audit, Decode-side migration checks; link routes never block the event loop'),
+                 'claims, node audit, Decode-side migration checks'),
+    ),
+    PatchSpec(
+        name='link_routes',
+        module='lmdeploy_pdfix.patches.link_routes',
+        target='lmdeploy.serve.openai.api_server',
+        summary="A node's link routes and frees reach the engine without blocking the node's event loop",
     ),
     PatchSpec(
         name='proxy_distserve',

@@ -108,6 +108,7 @@ def app() -> FastAPI:
 async def prefill_server(apply_patch: Callable[[str], ModuleType], app: FastAPI) -> AsyncIterator[PrefillServer]:
     """LMDeploy's OpenAI router, built as ``api_server.serve`` builds it, over a fake Prefill engine."""
     api_server = apply_patch('serving_cache_owner')
+    apply_patch('link_routes')
     engine = FakePrefillEngine()
     context = api_server.ServerContext()
     context.async_engine = engine

@@ -12,10 +12,6 @@ The book of preserved caches lives in the engine process; these handlers reach i
   Prefill node it is linked to, and confirmed by that node. A failed check is a 4xx naming the problem.
 - ``GET /distserve/pdfix/audit``: preserved caches by age, releases by cause, frees that released nothing,
   claims, migration failures, and the migration requests this node refused.
-- LMDeploy's link routes (``/distserve/p2p_initialize``, ``p2p_connect``, ``p2p_drop_connect``) call the
-  engine process by a synchronous RPC from inside the api_server's event loop: while the engine is busy, the
-  node answers nothing, ``/health`` included, and the proxy drops it (issue 9). Served here through the
-  engine's asynchronous RPC instead, as every route of ours is.
 """
 
 from __future__ import annotations
@@ -33,14 +29,7 @@ from fastapi.responses import JSONResponse
 
 from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
-from lmdeploy_pdfix.protocol import (
-    AUDIT_PATH,
-    CLAIM_PATH,
-    P2P_CONNECT_PATH,
-    P2P_DROP_CONNECT_PATH,
-    P2P_INITIALIZE_PATH,
-    migration_request_problem,
-)
+from lmdeploy_pdfix.protocol import AUDIT_PATH, CLAIM_PATH, migration_request_problem
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
@@ -141,44 +130,6 @@ def forget_link(drop_request: Any) -> None:
     # LMDeploy's route passes one request, its type hint says a list
     for request in drop_request if isinstance(drop_request, list) else [drop_request]:
         NODE.linked_peers.discard(request.remote_engine_id)
-
-
-# LMDeploy's link routes, by path: the engine method each calls, and what this node notes of it afterwards.
-LINK_ROUTES: dict[str, tuple[str, Any]] = {
-    P2P_INITIALIZE_PATH: ('p2p_initialize', record_link),
-    P2P_CONNECT_PATH: ('p2p_connect', None),
-    P2P_DROP_CONNECT_PATH: ('p2p_drop_connect', forget_link),
-}
-
-
-def link_endpoint(server_context: Any, method: str, note: Any):
-    """The endpoint of a link route, calling ``method`` by the engine's asynchronous RPC (never blocking)."""
-
-    def make_endpoint(endpoint):
-        # FastAPI reads the body model from LMDeploy's endpoint (this one's __wrapped__): one parameter
-        async def link_route(**kwargs: Any) -> Any:
-            (request,) = kwargs.values()
-            result = await engine_call(server_context.async_engine, method, request)
-            if note is not None:
-                note(request)
-            return result
-
-        return link_route
-
-    return make_endpoint
-
-
-def plain_free_endpoint(server_context: Any):
-    """LMDeploy's ``/distserve/free_cache`` answer when the engine keeps no book, without its blocking RPC."""
-
-    def make_endpoint(endpoint):
-        async def free_cache(cache_free_request) -> dict[str, str]:
-            await engine_call(server_context.async_engine, 'end_session', cache_free_request.remote_session_id)
-            return {'status': 'SUCCESS'}
-
-        return free_cache
-
-    return make_endpoint
 
 
 async def migration_request_of(raw_request: Request) -> dict[str, Any] | None:

@@ -32,13 +32,12 @@ from fastapi.responses import StreamingResponse
 from lmdeploy_pdfix import __version__
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, first_session_id, new_incarnation, single_owner
 from lmdeploy_pdfix.patches._node_routes import (
-    LINK_ROUTES,
     add_node_routes,
     engine_book_available,
+    forget_link,
     free_cache_endpoint,
-    link_endpoint,
     migration_request_of,
-    plain_free_endpoint,
+    record_link,
     refused_migration,
     release_cache,
 )
@@ -66,7 +65,6 @@ DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capa
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
 SESSION_MANAGER_MODULE = 'lmdeploy.serve.managers.session_manager'
 ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
-WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'  # the engine methods the link routes call
 
 
 @dataclass
@@ -125,6 +123,16 @@ def _numbering_from_incarnation(original):
         self.session_id_generator = itertools.count(first_session_id(new_incarnation()))
 
     return __init__
+
+
+def _recording(original, record):
+    """LMDeploy's own link path (``link_routes`` off) notes the links the Decode checks need, too."""
+    def p2p_call(self, request):
+        result = original(self, request)
+        record(request)
+        return result
+
+    return p2p_call
 
 
 def _reporting_owner(path: str, server_context):
@@ -210,13 +218,9 @@ def _adding_distserve_routes(original):
     def register(router, server_context):
         original(router, server_context)
         book = engine_book_available()
-        for path, (method, note) in LINK_ROUTES.items():
-            swap_endpoint(router.routes, path, link_endpoint(server_context, method, note))
         if book:
             swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
             add_node_routes(router, server_context)
-        else:
-            swap_endpoint(router.routes, FREE_PATH, plain_free_endpoint(server_context))
 
         @router.get(CAPABILITIES_PATH)
         async def pdfix_capabilities():
@@ -248,23 +252,22 @@ class ServingCacheOwnerPatch(Patch):
                      for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE)]
         engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
         manager = getattr(importlib.import_module(SESSION_MANAGER_MODULE), 'SessionManager', None)
-        worker = getattr(importlib.import_module(WORKER_MODULE), 'EngineWorkerBase', None)
-        if engine is None or manager is None or worker is None:
-            return 'AsyncEngine, SessionManager or EngineWorkerBase is missing'
+        if engine is None or manager is None:
+            return 'AsyncEngine or SessionManager is missing'
         if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
             return 'create_error_response is missing'
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
                              signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
-                             signature_problem(worker, 'end_session', ['self', 'session_id']),
-                             signature_problem(worker, 'p2p_initialize', ['self', 'conn_request']),
-                             signature_problem(worker, 'p2p_connect', ['self', 'conn_request']),
-                             signature_problem(worker, 'p2p_drop_connect', ['self', 'drop_conn_request']),
+                             signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
+                             signature_problem(engine, 'p2p_drop_connect', ['self', 'drop_conn_request']),
                              signature_problem(manager, '__init__', ['self']), *registers)
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
         install_wrapper(engine, 'generate', _observing_outputs)
+        install_wrapper(engine, 'p2p_initialize', lambda original: _recording(original, record_link))
+        install_wrapper(engine, 'p2p_drop_connect', lambda original: _recording(original, forget_link))
         install_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__',
                         _numbering_from_incarnation)
         for name, path in ENDPOINT_MODULES.items():
@@ -274,7 +277,8 @@ class ServingCacheOwnerPatch(Patch):
     def _revert(self, module: ModuleType) -> None:
         remove_wrapper(module.ServerContext, 'create_session')
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
-        remove_wrapper(engine, 'generate')
+        for attribute in ('generate', 'p2p_initialize', 'p2p_drop_connect'):
+            remove_wrapper(engine, attribute)
         remove_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__')
         for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
             remove_wrapper(importlib.import_module(name), 'register')
