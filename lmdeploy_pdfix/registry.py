@@ -33,6 +33,13 @@ PATCHES: tuple[PatchSpec, ...] = (
                  'claims, node audit, Decode-side migration checks'),
     ),
     PatchSpec(
+        name='session_incarnations',
+        module='lmdeploy_pdfix.patches.session_incarnations',
+        target='lmdeploy.serve.managers.session_manager',
+        summary=('Session ids start from a random incarnation base: an owner from before a restart never names a '
+                 'session after it'),
+    ),
+    PatchSpec(
         name='link_routes',
         module='lmdeploy_pdfix.patches.link_routes',
         target='lmdeploy.serve.openai.api_server',

@@ -9,9 +9,7 @@ token (D8) gets a finished answer marked ``prefill_finished`` and its preserved 
 500 that keeps the session. The node also answers
 ``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
 
-Owners cannot go stale (D14): each session manager numbers its sessions from a fresh incarnation base
-(:mod:`lmdeploy_pdfix.owner_ids`), so an id from before a restart never names a session of the restarted
-node. The DistServe routes (truthful ``/distserve/free_cache``, claims, the node audit) and the Decode
+The DistServe routes (truthful ``/distserve/free_cache``, claims, the node audit) and the Decode
 node's checks of ``migration_request`` are in :mod:`lmdeploy_pdfix.patches._node_routes`. A Decode answer
 decoded from a dummy prefill is marked ``dummy_prefill`` (D19).
 """
@@ -20,7 +18,6 @@ from __future__ import annotations
 
 import contextvars
 import importlib
-import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -30,7 +27,7 @@ import shortuuid
 from fastapi.responses import StreamingResponse
 
 from lmdeploy_pdfix import __version__
-from lmdeploy_pdfix.owner_ids import finished_without_tokens, first_session_id, new_incarnation, single_owner
+from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
 from lmdeploy_pdfix.patches._node_routes import (
     add_node_routes,
     engine_book_available,
@@ -63,7 +60,6 @@ ENDPOINT_MODULES = {
 }
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
-SESSION_MANAGER_MODULE = 'lmdeploy.serve.managers.session_manager'
 ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
 
 
@@ -115,14 +111,6 @@ async def _each(items: AsyncIterator[Any], transform: Callable[[Any], Any]) -> A
         close = getattr(items, 'aclose', None)
         if close is not None:
             await close()
-
-
-def _numbering_from_incarnation(original):
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.session_id_generator = itertools.count(first_session_id(new_incarnation()))
-
-    return __init__
 
 
 def _recording(original, record):
@@ -251,16 +239,15 @@ class ServingCacheOwnerPatch(Patch):
         registers = [signature_problem(importlib.import_module(name), 'register', ['router', 'server_context'])
                      for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE)]
         engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
-        manager = getattr(importlib.import_module(SESSION_MANAGER_MODULE), 'SessionManager', None)
-        if engine is None or manager is None:
-            return 'AsyncEngine or SessionManager is missing'
+        if engine is None:
+            return 'AsyncEngine is missing'
         if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
             return 'create_error_response is missing'
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
                              signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
                              signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
                              signature_problem(engine, 'p2p_drop_connect', ['self', 'drop_conn_request']),
-                             signature_problem(manager, '__init__', ['self']), *registers)
+                             *registers)
 
     def _apply(self, module: ModuleType) -> None:
         install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
@@ -268,8 +255,6 @@ class ServingCacheOwnerPatch(Patch):
         install_wrapper(engine, 'generate', _observing_outputs)
         install_wrapper(engine, 'p2p_initialize', lambda original: _recording(original, record_link))
         install_wrapper(engine, 'p2p_drop_connect', lambda original: _recording(original, forget_link))
-        install_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__',
-                        _numbering_from_incarnation)
         for name, path in ENDPOINT_MODULES.items():
             install_wrapper(importlib.import_module(name), 'register', _registering_owner_routes(path))
         install_wrapper(importlib.import_module(DISTSERVE_MODULE), 'register', _adding_distserve_routes)
@@ -279,7 +264,6 @@ class ServingCacheOwnerPatch(Patch):
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
         for attribute in ('generate', 'p2p_initialize', 'p2p_drop_connect'):
             remove_wrapper(engine, attribute)
-        remove_wrapper(importlib.import_module(SESSION_MANAGER_MODULE).SessionManager, '__init__')
         for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
             remove_wrapper(importlib.import_module(name), 'register')
 
