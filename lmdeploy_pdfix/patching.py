@@ -32,6 +32,9 @@ class Patch:
 
     name: str = ''
     target: str = ''
+    # Every LMDeploy object this patch wraps, replaces or adds, as 'module:attribute.path'; the lifecycle test
+    # checks that apply changes each of them, and revert restores every one.
+    wraps: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.state = PatchState.PENDING

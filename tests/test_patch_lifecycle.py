@@ -29,6 +29,36 @@ def changed(before: dict[str, object], after: dict[str, object]) -> set[str]:
     return {name for name, value in after.items() if before.get(name) is not value and before.get(name) != value}
 
 
+_ABSENT = object()
+
+
+def declared(patch) -> dict[str, object]:
+    """What each object the patch declares it wraps is now (lists by content: routes change in place)."""
+    seen: dict[str, object] = {}
+    for entry in patch.wraps:
+        module_name, path = entry.split(':')
+        value = importlib.import_module(module_name)
+        for name in path.split('.'):
+            value = vars(value).get(name, _ABSENT) if isinstance(value, type) else getattr(value, name, _ABSENT)
+        seen[entry] = list(value) if isinstance(value, list) else value
+    return seen
+
+
+@pytest.mark.parametrize('spec', PATCHES, ids=[spec.name for spec in PATCHES])
+def test_apply_changes_exactly_what_the_patch_declares_and_revert_restores_it(spec: PatchSpec) -> None:
+    module = importlib.import_module(spec.target)
+    patch = load_patch(spec)
+    assert patch.wraps, f'{spec.name} declares nothing it wraps'
+    stock = declared(patch)
+
+    assert patch.apply(module) is PatchState.APPLIED
+    patched = declared(patch)
+    assert [entry for entry in patch.wraps if patched[entry] == stock[entry]] == [], 'declared but untouched'
+
+    patch.revert()
+    assert declared(patch) == stock
+
+
 @pytest.mark.parametrize('spec', PATCHES, ids=[spec.name for spec in PATCHES])
 def test_apply_revert_apply(spec: PatchSpec) -> None:
     module = importlib.import_module(spec.target)

@@ -178,6 +178,15 @@ WORKER_METHODS = {
 class EngineSessionsPatch(Patch):
     name = 'engine_sessions'
     target = 'lmdeploy.pytorch.engine.engine'
+    wraps = (
+        'lmdeploy.pytorch.engine.engine:Engine.__init__',
+        'lmdeploy.pytorch.engine.engine:Engine._on_end_session',
+        'lmdeploy.pytorch.engine.engine:Engine.async_loop',
+        'lmdeploy.pytorch.paging.scheduler:Scheduler.hanging',
+        'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_release_preserved',
+        'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_claim_preserved',
+        'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_audit',
+    )
 
     def __init__(self) -> None:
         super().__init__()

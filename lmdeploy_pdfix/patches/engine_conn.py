@@ -176,6 +176,12 @@ def _uses_problem(owner: Any, attribute: str, names: tuple[str, ...]) -> str | N
 class EngineConnectionsPatch(Patch):
     name = 'engine_connections'
     target = 'lmdeploy.pytorch.disagg.conn.engine_conn'
+    wraps = (
+        'lmdeploy.pytorch.disagg.conn.engine_conn:EngineP2PConnection.zmq_send',
+        'lmdeploy.pytorch.disagg.conn.engine_conn:EngineP2PConnection.handle_zmq_recv',
+        'lmdeploy.pytorch.disagg.conn.engine_conn:EngineP2PConnection.p2p_initialize',
+        'lmdeploy.pytorch.disagg.conn.engine_conn:EngineP2PConnection.p2p_drop_connect',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         conn = getattr(module, 'EngineP2PConnection', None)

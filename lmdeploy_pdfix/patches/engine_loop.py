@@ -176,6 +176,9 @@ def _fail(loop: Any, msg: Any, failure: MigrationFailure, respond: Respond, erro
 class MigrationFaultsPatch(Patch):
     name = 'migration_faults'
     target = 'lmdeploy.pytorch.engine.engine_loop'
+    wraps = (
+        'lmdeploy.pytorch.engine.engine_loop:EngineLoop._migration_loop_migrate',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         loop = getattr(module, 'EngineLoop', None)

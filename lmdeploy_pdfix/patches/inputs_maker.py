@@ -28,6 +28,9 @@ def _stepping_prefill_chunks(original, prefill_role):
 class PrefillChunkingPatch(Patch):
     name = 'prefill_chunking'
     target = 'lmdeploy.pytorch.engine.inputs_maker'
+    wraps = (
+        'lmdeploy.pytorch.engine.inputs_maker:InputsMakerAsync.update_running_seqs',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         maker = getattr(module, 'InputsMakerAsync', None)

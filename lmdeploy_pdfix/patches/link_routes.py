@@ -82,6 +82,9 @@ def _nonblocking_links(original):
 class LinkRoutesPatch(Patch):
     name = 'link_routes'
     target = 'lmdeploy.serve.openai.api_server'
+    wraps = (
+        'lmdeploy.serve.openai.api_server:create_openai_router',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         worker = getattr(importlib.import_module(WORKER_MODULE), 'EngineWorkerBase', None)

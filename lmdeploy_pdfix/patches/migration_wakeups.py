@@ -60,6 +60,9 @@ def _self_clearing_migration_event(original):
 class MigrationWakeupsPatch(Patch):
     name = 'migration_wakeups'
     target = 'lmdeploy.pytorch.engine.engine_loop'
+    wraps = (
+        'lmdeploy.pytorch.engine.engine_loop:EngineLoop.__init__',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         loop = getattr(module, 'EngineLoop', None)

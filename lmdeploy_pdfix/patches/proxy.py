@@ -73,6 +73,9 @@ def _collecting_garbage(proxy: ModuleType, ledger: OwnerLedger):
 class ProxyDistServePatch(Patch):
     name = 'proxy_distserve'
     target = 'lmdeploy.serve.proxy.proxy'
+    wraps = (
+        'lmdeploy.serve.proxy.proxy:app.router.routes',
+    )
 
     def __init__(self) -> None:
         super().__init__()

@@ -112,6 +112,12 @@ def _dropping_prefill_links(original):
 class ProxyConnectionsPatch(Patch):
     name = 'proxy_connections'
     target = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
+    wraps = (
+        'lmdeploy.pytorch.disagg.conn.proxy_conn:PDConnectionPool.unshelf_prefill_session',
+        'lmdeploy.pytorch.disagg.conn.proxy_conn:PDConnectionPool.connect',
+        'lmdeploy.pytorch.disagg.conn.proxy_conn:PDConnectionPool.drop',
+        'lmdeploy.pytorch.disagg.conn.proxy_conn:PDConnectionPool.dereg_instance',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         pool = getattr(module, 'PDConnectionPool', None)

@@ -101,6 +101,10 @@ def _forgetting_removed(removed: RemovedNodes):
 class ProxyHeartbeatPatch(Patch):
     name = 'proxy_heartbeat'
     target = 'lmdeploy.serve.proxy.proxy'
+    wraps = (
+        'lmdeploy.serve.proxy.proxy:NodeManager.remove_stale_nodes_by_expiration',
+        'lmdeploy.serve.proxy.proxy:NodeManager.remove',
+    )
 
     def __init__(self) -> None:
         super().__init__()

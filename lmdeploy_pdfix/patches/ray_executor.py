@@ -47,6 +47,9 @@ def _builder_unused_problem(module: ModuleType) -> str | None:
 class RayWorkersEnvPatch(Patch):
     name = 'ray_workers_env'
     target = 'lmdeploy.pytorch.engine.executor.ray_executor'
+    wraps = (
+        'lmdeploy.pytorch.engine.executor.ray_executor:_update_runtime_envs',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         return first_problem(signature_problem(module, BUILDER, ['runtime_env']), _builder_unused_problem(module))

@@ -231,6 +231,15 @@ def _registering_owner_routes(path: str):
 class ServingCacheOwnerPatch(Patch):
     name = 'serving_cache_owner'
     target = 'lmdeploy.serve.openai.api_server'
+    wraps = (
+        'lmdeploy.serve.openai.api_server:ServerContext.create_session',
+        'lmdeploy.serve.core.async_engine:AsyncEngine.generate',
+        'lmdeploy.serve.core.async_engine:AsyncEngine.p2p_initialize',
+        'lmdeploy.serve.core.async_engine:AsyncEngine.p2p_drop_connect',
+        'lmdeploy.serve.openai.chat_completions:register',
+        'lmdeploy.serve.openai.endpoints.completions:register',
+        'lmdeploy.serve.openai.endpoints.distserve:register',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         context = getattr(module, 'ServerContext', None)

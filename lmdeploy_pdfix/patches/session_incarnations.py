@@ -34,6 +34,9 @@ def _numbering_from_incarnation(original):
 class SessionIncarnationsPatch(Patch):
     name = 'session_incarnations'
     target = 'lmdeploy.serve.managers.session_manager'
+    wraps = (
+        'lmdeploy.serve.managers.session_manager:SessionManager.__init__',
+    )
 
     def shape_problem(self, module: ModuleType) -> str | None:
         manager = getattr(module, 'SessionManager', None)
