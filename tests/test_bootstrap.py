@@ -218,7 +218,7 @@ def test_a_bad_switch_value_leaves_the_patches_it_tunes_stock_with_one_clear_rea
     assert states['engine_sessions'] == ['refused', "LMDEPLOY_PDFIX_ORPHAN_TTL_S='10m' is not a number of seconds; "
                                                     'fix or unset it']
     assert states['engine_connections'][0] == 'refused'
-    assert sum("LMDEPLOY_PDFIX_ORPHAN_TTL_S='10m'" in line for line in logged(result)) == 1
+    assert sum("patch 'engine_sessions' not applied" in line for line in logged(result)) == 1
 
 
 def test_an_unknown_name_in_the_disable_list_is_reported(tmp_path: Path) -> None:
