@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lmdeploy_pdfix.protocol import AUDIT_PATH
 from lmdeploy_pdfix.sim import chaos, client
 from lmdeploy_pdfix.sim.cluster import STATE_ROUTE, Cluster, http_json
 
@@ -203,11 +204,12 @@ def run_chaos(args: argparse.Namespace, nodes: dict[str, str],
     exact_afterwards = sum(outcome.exact for outcome in afterwards)
     clean = (summary['wrong_text_200'] == 0 and not any(left.values()) and not unhealthy
              and exact_afterwards == AFTERWARDS)
+    books = {} if clean else _books(args.proxy, [url for url, count in left.items() if count])
     return {**summary, 'req_per_s': round(len(outcomes) / elapsed, 2) if elapsed else 0.0,
             'decode_restarts': len(restarts.marks) if restarts else 0,
             'decode_downtime_s': round(restarts.downtime_s, 1) if restarts else 0.0,
             'prefill_sessions_left': left, 'unhealthy_nodes': unhealthy,
-            'exact_afterwards': f'{exact_afterwards}/{AFTERWARDS}', 'clean': clean}
+            'exact_afterwards': f'{exact_afterwards}/{AFTERWARDS}', 'clean': clean, **books}
 
 
 def _recorded_decode_restart(cluster_file: Path) -> Callable[[], None]:
@@ -233,6 +235,17 @@ def _sessions_left(baseline: dict[str, int]) -> dict[str, int]:
         if not any(left.values()) or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
+
+
+def _books(proxy: str, prefills: list[str]) -> dict[str, Any]:
+    """What the proxy's ledger and the leaking Prefill nodes' books say, to find where a release went missing."""
+    books: dict[str, Any] = {}
+    for name, url in [('proxy_ledger', proxy)] + [(f'prefill_book {url}', url) for url in prefills]:
+        try:
+            books[name] = http_json('GET', f'{url}{AUDIT_PATH}', timeout=10)
+        except OSError as exc:
+            books[name] = repr(exc)
+    return books
 
 
 def _unhealthy_nodes(proxy: str, nodes: dict[str, str]) -> list[str]:

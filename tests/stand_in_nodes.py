@@ -40,6 +40,7 @@ class PrefillBook:
     fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
     free_status: int = 200  # what /distserve/free_cache answers
     delay_s: float = 0.0  # how long the prefill takes; like a real engine it keeps the cache if the caller left
+    free_delay_s: float = 0.0  # how long a free takes to arrive; a caller that gives up first frees nothing
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -93,7 +94,10 @@ def prefill_app(book: PrefillBook) -> FastAPI:
     async def free_cache(request: Request):
         if book.free_status != 200:
             return JSONResponse({'status': 'FAILED'}, status_code=book.free_status)
-        book.free((await request.json())['remote_session_id'])
+        owner = (await request.json())['remote_session_id']
+        if book.free_delay_s and await _abandoned(request, book.free_delay_s):
+            return JSONResponse({'status': 'FAILED'}, status_code=499)
+        book.free(owner)
         return {'status': 'SUCCESS'}
 
     async def prefill(request: Request, public_id: str):

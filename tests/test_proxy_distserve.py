@@ -311,6 +311,22 @@ async def test_a_client_that_leaves_during_the_prefill_leaves_no_prefill_cache_b
 
 
 @pytest.mark.regression
+async def test_a_client_that_leaves_while_the_proxy_releases_after_a_decode_failure_leaves_nothing_behind(
+        distserve: Cluster) -> None:
+    distserve.decode.answer = 'error'
+    distserve.prefill.free_delay_s = 0.8  # the compensating free is under way when the client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(timeout=0.4) as client:
+            await client.post(distserve.url + '/v1/completions', json=COMPLETION)
+    for _ in range(100):
+        if distserve.prefill.freed:
+            break
+        await asyncio.sleep(0.05)
+    assert distserve.prefill.retained == set(), 'the release was abandoned with the client'
+    assert (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
 async def test_a_decode_dying_mid_stream_ends_the_stream_with_an_error_event(distserve: Cluster) -> None:
     distserve.decode.answer = 'dies'
     async with httpx.AsyncClient(timeout=30) as client, \

@@ -114,10 +114,14 @@ class _Relay:
         self.record = self.ledger.open(owner, self.p_url, self.d_url)
 
     async def release(self, reason: str) -> None:
-        """Compensate: free the retained Prefill cache, if this request holds one."""
+        """Compensate: free the retained Prefill cache, if this request holds one.
+
+        The free runs to its end even if this request is cancelled meanwhile (its client left): the record is
+        already taken off the relay, so nothing else would release it.
+        """
         record, self.record = self.record, None
         if record is not None:
-            await release(self.ledger, record, ReleaseCause.COMPENSATED, reason)
+            await asyncio.shield(release(self.ledger, record, ReleaseCause.COMPENSATED, reason))
 
     def migrated(self) -> None:
         """The Decode node took the cache over (it frees the Prefill session itself)."""
@@ -361,6 +365,10 @@ class _DecodeStream(StreamingResponse):
         if self._settled:
             return
         self._settled = True
+        # shielded: a client leaving at the last event cancels the stream task while it settles
+        await asyncio.shield(self._close_and_settle())
+
+    async def _close_and_settle(self) -> None:
         self._response.release()
         await self._session.close()
         await self._settle(self._migrated)
@@ -435,7 +443,7 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
         return await _relay_steps(relay, request_dict)
     except asyncio.CancelledError:
         # The client left: release what this request retained; closing our connections aborts the Decode.
-        await asyncio.shield(relay.release('client disconnected'))
+        await relay.release('client disconnected')
         raise
     except Exception as exc:  # whatever went wrong in here, the retained cache must not outlive the request
         lmdeploy_logger().exception('lmdeploy-pdfix: DistServe relay failed')

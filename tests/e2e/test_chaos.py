@@ -9,6 +9,7 @@ restarted once. The regression tests behind it, which fail on stock, are the det
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ def test_clients_leaving_under_load_get_no_wrong_answer_and_leave_nothing_behind
     with start_cluster(f'chaos-{seed}', env=env) as cluster:
         args.proxy = cluster.proxy_url
         summary = run_chaos(args, discover_nodes(cluster.proxy_url), lambda: cluster.bounce(cluster.decode_urls[0]))
+    print(json.dumps(summary, indent=1))  # whole, where a failing assert would shorten it
 
     assert summary['wrong_text_200'] == 0, summary
     assert not any(summary['prefill_sessions_left'].values()), summary
