@@ -85,6 +85,14 @@ class Patch:
         with contextlib.suppress(Exception):  # best effort after a failed apply
             self._revert(module)
 
+    def wrap(self, owner: Any, attribute: str, make_wrapper: Callable[[Any], Any]) -> None:
+        """This unit's layer over ``owner.attribute`` (see :func:`install_wrapper`)."""
+        install_wrapper(owner, attribute, make_wrapper, self.name)
+
+    def unwrap(self, owner: Any, attribute: str) -> None:
+        """Take this unit's layer off ``owner.attribute``, leaving other units' layers in place."""
+        remove_wrapper(owner, attribute, self.name)
+
     def refuse(self, reason: str) -> None:
         """Leave LMDeploy stock for this patch, saying why (logged once)."""
         first_time = self.state is not PatchState.REFUSED
@@ -103,39 +111,81 @@ def lmdeploy_logger() -> logging.Logger:
     return get_logger('lmdeploy')
 
 
-# Our wrappers, each mapped to what it replaced. A registry, not a marker attribute: functools.wraps copies a
+class _Layer:
+    """One wrapper of ours: what it replaced, the unit that put it there, and how to build it again."""
+
+    __slots__ = ('make', 'original', 'unit')
+
+    def __init__(self, original: Any, unit: str, make: Callable[[Any], Any] | None) -> None:
+        self.original, self.unit, self.make = original, unit, make
+
+
+# Our wrappers, each mapped to its layer. A registry, not a marker attribute: functools.wraps copies a
 # function's __dict__, so a foreign wrapper put over ours (a profiler, a test's spy) would carry a marker too,
 # and removing "our" wrapper would then strip the foreign layer, and installing again be fooled into a no-op.
-_ORIGINALS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LAYERS: weakref.WeakKeyDictionary[Any, _Layer] = weakref.WeakKeyDictionary()
 
 
-def wrapped_original(function: Any) -> Any:
-    """The function a wrapper of ours replaced, or None if ``function`` is not one of our wrappers."""
+def _layer_of(function: Any) -> _Layer | None:
     try:
-        return _ORIGINALS.get(function)
+        return _LAYERS.get(function)
     except TypeError:  # not weakly referenceable: certainly not ours
         return None
 
 
-def register_wrapper(wrapper: Any, original: Any) -> Any:
+def wrapped_original(function: Any) -> Any:
+    """The function a wrapper of ours replaced, or None if ``function`` is not one of our wrappers."""
+    layer = _layer_of(function)
+    return None if layer is None else layer.original
+
+
+def innermost(function: Any) -> Any:
+    """What lies under every layer of ours on ``function`` (LMDeploy's own, or a foreign layer)."""
+    while (layer := _layer_of(function)) is not None:
+        function = layer.original
+    return function
+
+
+def register_wrapper(wrapper: Any, original: Any, unit: str = '') -> Any:
     """Record ``wrapper`` as ours, standing in for ``original``; returns ``wrapper``."""
-    _ORIGINALS[wrapper] = original
+    _LAYERS[wrapper] = _Layer(original, unit, None)
     return wrapper
 
 
-def install_wrapper(owner: Any, attribute: str, make_wrapper: Callable[[Any], Any]) -> None:
-    """Replace ``owner.attribute`` by ``make_wrapper(original)``; a second call changes nothing."""
-    original = getattr(owner, attribute)
-    if wrapped_original(original) is not None:
+def _build(original: Any, unit: str, make_wrapper: Callable[[Any], Any]) -> Any:
+    wrapper = functools.update_wrapper(make_wrapper(original), original)
+    _LAYERS[wrapper] = _Layer(original, unit, make_wrapper)
+    return wrapper
+
+
+def install_wrapper(owner: Any, attribute: str, make_wrapper: Callable[[Any], Any], unit: str) -> None:
+    """Put ``make_wrapper(current)`` over ``owner.attribute``, once per unit: units may wrap one function."""
+    current = getattr(owner, attribute)
+    if _unit_layers(current, unit)[1] is None:
+        setattr(owner, attribute, _build(current, unit, make_wrapper))
+
+
+def remove_wrapper(owner: Any, attribute: str, unit: str) -> None:
+    """Take ``unit``'s layer out of ``owner.attribute``; other units' layers above it are built again over
+    what lay below it. Nothing happens if the unit has no layer there (or a foreign layer hides it)."""
+    above, layer = _unit_layers(getattr(owner, attribute, None), unit)
+    if layer is None:
         return
-    setattr(owner, attribute, register_wrapper(functools.update_wrapper(make_wrapper(original), original), original))
+    rebuilt = layer.original
+    for other in reversed(above):
+        rebuilt = _build(rebuilt, other.unit, other.make)
+    setattr(owner, attribute, rebuilt)
 
 
-def remove_wrapper(owner: Any, attribute: str) -> None:
-    """Put back what :func:`install_wrapper` replaced; nothing happens if it is not ours."""
-    original = wrapped_original(getattr(owner, attribute, None))
-    if original is not None:
-        setattr(owner, attribute, original)
+def _unit_layers(function: Any, unit: str) -> tuple[list[_Layer], _Layer | None]:
+    """The layers of ours over ``unit``'s on ``function``, top first, and ``unit``'s own (None if absent)."""
+    above = []
+    while (layer := _layer_of(function)) is not None and layer.make is not None:
+        if layer.unit == unit:
+            return above, layer
+        above.append(layer)
+        function = layer.original
+    return above, None
 
 
 def signature_problem(owner: Any, attribute: str, parameters: Sequence[str]) -> str | None:
@@ -144,7 +194,7 @@ def signature_problem(owner: Any, attribute: str, parameters: Sequence[str]) -> 
     target = getattr(owner, attribute, None)
     if not callable(target):
         return f'{where} is missing'
-    target = wrapped_original(target) or target
+    target = innermost(target)
     try:
         found = list(inspect.signature(target).parameters)
     except (TypeError, ValueError):
@@ -157,7 +207,7 @@ def signature_problem(owner: Any, attribute: str, parameters: Sequence[str]) -> 
 def coroutine_problem(owner: Any, attribute: str) -> str | None:
     """Why ``owner.attribute`` is not a coroutine function (an async wrapper could not stand in), or None."""
     target = getattr(owner, attribute)
-    if not inspect.iscoroutinefunction(wrapped_original(target) or target):
+    if not inspect.iscoroutinefunction(innermost(target)):
         return f'{owner.__name__}.{attribute} is not a coroutine function'
     return None
 
@@ -170,7 +220,7 @@ def attribute_problem(cls: Any, names: Sequence[str]) -> str | None:
     code's names). A rename upstream is then refused at apply instead of failing on every request.
     """
     init = getattr(cls, '__init__', None)
-    code = getattr(wrapped_original(init) or init, '__code__', None)
+    code = getattr(innermost(init), '__code__', None)
     known = {*getattr(cls, '__dataclass_fields__', {}), *(code.co_names if code is not None else ())}
     missing = [name for name in names if not hasattr(cls, name) and name not in known]
     return f'{cls.__name__} has no {", ".join(missing)}' if missing else None

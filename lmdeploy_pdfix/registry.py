@@ -29,8 +29,22 @@ PATCHES: tuple[PatchSpec, ...] = (
         name='serving_cache_owner',
         module='lmdeploy_pdfix.patches.serving',
         target='lmdeploy.serve.openai.api_server',
-        summary=('Prefill answers name the internal session owning their cache (cache_session_id); truthful frees, '
-                 'claims, node audit, Decode-side migration checks'),
+        summary=('Prefill answers name the internal session owning their cache (cache_session_id); a first token '
+                 'that stops the request answers 200 and ends its session'),
+    ),
+    PatchSpec(
+        name='node_cache_routes',
+        module='lmdeploy_pdfix.patches.node_cache_routes',
+        target='lmdeploy.serve.openai.endpoints.distserve',
+        summary=('/distserve/free_cache releases only preserved caches and says what it did; claims and the node '
+                 'audit'),
+    ),
+    PatchSpec(
+        name='decode_migration_checks',
+        module='lmdeploy_pdfix.patches.decode_checks',
+        target='lmdeploy.serve.openai.api_server',
+        summary=('A Decode node migrates only a well-formed, linked, confirmed migration_request; a dummy-prefill '
+                 'answer is marked'),
     ),
     PatchSpec(
         name='session_incarnations',

@@ -63,18 +63,22 @@ def test_apply_changes_exactly_what_the_patch_declares_and_revert_restores_it(sp
 def test_apply_revert_apply(spec: PatchSpec) -> None:
     module = importlib.import_module(spec.target)
     patch = load_patch(spec)
-    stock = snapshot(module)
+
+    def state() -> dict[str, object]:  # the target module, and whatever the patch touches beyond it
+        return {**snapshot(module), **declared(patch)}
+
+    stock = state()
 
     assert patch.apply(module) is PatchState.APPLIED
-    patched = snapshot(module)
+    patched = state()
     assert patched != stock
-    assert patch.apply(module) is PatchState.APPLIED and snapshot(module) == patched
+    assert patch.apply(module) is PatchState.APPLIED and state() == patched
 
     assert patch.revert() is PatchState.REVERTED
-    assert snapshot(module) == stock
+    assert state() == stock
 
     assert patch.apply(module) is PatchState.APPLIED
-    assert changed(stock, snapshot(module)) == changed(stock, patched)
+    assert changed(stock, state()) == changed(stock, patched)
     patch.revert()
 
 
@@ -83,7 +87,7 @@ def test_a_foreign_wrapper_over_ours_is_neither_stripped_nor_mistaken_for_ours()
         def method(self) -> str:
             return 'stock'
 
-    install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})')
+    install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})', 'unit')
     ours = Owner.method
 
     @functools.wraps(ours)  # copies __dict__ and sets __wrapped__, as profilers and spies do
@@ -91,12 +95,33 @@ def test_a_foreign_wrapper_over_ours_is_neither_stripped_nor_mistaken_for_ours()
         return f'foreign({ours(self)})'
 
     Owner.method = foreign
-    remove_wrapper(Owner, 'method')
+    remove_wrapper(Owner, 'method', 'unit')
     assert Owner.method is foreign, 'the foreign layer was stripped'
 
-    install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})')
+    install_wrapper(Owner, 'method', lambda original: lambda self: f'ours({original(self)})', 'unit')
     assert wrapped_original(Owner.method) is foreign
     assert Owner().method() == 'ours(foreign(ours(stock)))'
+
+
+def test_units_wrapping_one_function_come_off_one_at_a_time_in_any_order() -> None:
+    class Owner:
+        def method(self) -> str:
+            return 'stock'
+
+    stock = Owner.method
+    for unit in ('a', 'b', 'c'):
+        install_wrapper(Owner, 'method', lambda original, unit=unit: lambda self: f'{unit}({original(self)})', unit)
+        install_wrapper(Owner, 'method', lambda original: lambda self: 'twice', unit)  # once per unit
+    assert Owner().method() == 'c(b(a(stock)))'
+
+    remove_wrapper(Owner, 'method', 'b')
+    assert Owner().method() == 'c(a(stock))'
+    remove_wrapper(Owner, 'method', 'b')
+    assert Owner().method() == 'c(a(stock))'
+    remove_wrapper(Owner, 'method', 'c')
+    assert Owner().method() == 'a(stock)'
+    remove_wrapper(Owner, 'method', 'a')
+    assert Owner.method is stock
 
 
 def _renamed_in_init(module_name: str, cls: str):

@@ -1,14 +1,17 @@
-"""Swapping the endpoint of one FastAPI route, keeping its path, methods and dependencies."""
+"""Swapping the endpoint of one FastAPI route, keeping its path, methods and dependencies; rewriting an
+endpoint's answer, whole or streamed."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 
 from lmdeploy_pdfix.patching import register_wrapper
+from lmdeploy_pdfix.protocol import sse_chunk_rewritten
 
 
 def find_post_route(routes: list[Any], path: str) -> APIRoute | None:
@@ -48,3 +51,28 @@ def restore_route(routes: list[Any], original: APIRoute) -> None:
         if isinstance(route, APIRoute) and getattr(route.endpoint, '__wrapped__', None) is original.endpoint:
             routes[index] = original
             return
+
+
+def rewritten_answer(response: Any, rewrite_event: Callable[[dict[str, Any]], dict[str, Any]],
+                     rewrite_chunk: Callable[[Any], Any] | None = None) -> Any:
+    """An endpoint's answer with its JSON body, or every event it streams, passed through ``rewrite_event``.
+
+    ``rewrite_chunk`` stands in for the per-chunk rewrite where a cheaper one knows which chunks to touch.
+    """
+    if isinstance(response, dict):
+        return rewrite_event(response)
+    if isinstance(response, StreamingResponse):
+        chunk = rewrite_chunk or (lambda chunk: sse_chunk_rewritten(chunk, rewrite_event))
+        response.body_iterator = each_transformed(response.body_iterator, chunk)
+    return response
+
+
+async def each_transformed(items: AsyncIterator[Any], transform: Callable[[Any], Any]) -> AsyncIterator[Any]:
+    """``items`` through ``transform``; closing this closes ``items`` too (LMDeploy's cleanup relies on it)."""
+    try:
+        async for item in items:
+            yield transform(item)
+    finally:
+        close = getattr(items, 'aclose', None)
+        if close is not None:
+            await close()

@@ -31,9 +31,7 @@ from lmdeploy_pdfix.patching import (
     Patch,
     attribute_problem,
     first_problem,
-    install_wrapper,
     lmdeploy_logger,
-    remove_wrapper,
     signature_problem,
 )
 from lmdeploy_pdfix.preserved import Answer, ReleaseCause, Verdict
@@ -223,11 +221,11 @@ class EngineSessionsPatch(Patch):
         engine = module.Engine
         to_be_migrated = module.MessageStatus.TO_BE_MIGRATED
         success = module.ResponseType.SUCCESS
-        install_wrapper(engine, '_on_end_session',
+        self.wrap(engine, '_on_end_session',
                         lambda original: _cancel_safe_end_session(original, to_be_migrated, success))
-        install_wrapper(engine, 'async_loop', _reclaiming_orphans)
+        self.wrap(engine, 'async_loop', _reclaiming_orphans)
         model_config = importlib.import_module(CONFIG_MODULE).ModelConfig
-        install_wrapper(engine, '__init__',
+        self.wrap(engine, '__init__',
                         lambda original: _refusing_stateful_models(original, module.EngineRole.Hybrid, model_config))
         scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
         if self._stock_hanging is None:
@@ -239,7 +237,7 @@ class EngineSessionsPatch(Patch):
 
     def _revert(self, module: ModuleType) -> None:
         for attribute in ('_on_end_session', 'async_loop', '__init__'):
-            remove_wrapper(module.Engine, attribute)
+            self.unwrap(module.Engine, attribute)
         if self._stock_hanging is not None:
             importlib.import_module(SCHEDULER_MODULE).Scheduler.hanging = self._stock_hanging
             self._stock_hanging = None

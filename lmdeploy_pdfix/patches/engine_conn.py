@@ -32,11 +32,9 @@ from lmdeploy_pdfix.patching import (
     Patch,
     coroutine_problem,
     first_problem,
-    install_wrapper,
+    innermost,
     lmdeploy_logger,
-    remove_wrapper,
     signature_problem,
-    wrapped_original,
 )
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 
@@ -168,7 +166,7 @@ def _close_link(conn: Any, remote_engine_id: str) -> None:
 def _uses_problem(owner: Any, attribute: str, names: tuple[str, ...]) -> str | None:
     """Why ``owner.attribute`` may no longer touch ``names`` (what the wrappers rely on), or None."""
     target = getattr(owner, attribute)
-    used = getattr(getattr(wrapped_original(target) or target, '__code__', None), 'co_names', ())
+    used = getattr(getattr(innermost(target), '__code__', None), 'co_names', ())
     missing = [name for name in names if name not in used]
     return f'{owner.__name__}.{attribute} no longer uses {missing}' if missing else None
 
@@ -206,15 +204,15 @@ class EngineConnectionsPatch(Patch):
 
     def _apply(self, module: ModuleType) -> None:
         conn = module.EngineP2PConnection
-        install_wrapper(conn, 'zmq_send', _bounded_send)
-        install_wrapper(conn, 'handle_zmq_recv',
+        self.wrap(conn, 'zmq_send', _bounded_send)
+        self.wrap(conn, 'handle_zmq_recv',
                         _releasing_only_preserved(module.DistServeCacheFreeRequest, module.ValidationError))
-        install_wrapper(conn, 'p2p_initialize', _closing_the_old_link_first)
-        install_wrapper(conn, 'p2p_drop_connect', _closing_the_link)
+        self.wrap(conn, 'p2p_initialize', _closing_the_old_link_first)
+        self.wrap(conn, 'p2p_drop_connect', _closing_the_link)
 
     def _revert(self, module: ModuleType) -> None:
         for attribute in ('zmq_send', 'handle_zmq_recv', 'p2p_initialize', 'p2p_drop_connect'):
-            remove_wrapper(module.EngineP2PConnection, attribute)
+            self.unwrap(module.EngineP2PConnection, attribute)
 
 
 PATCH = EngineConnectionsPatch()

@@ -39,9 +39,7 @@ from lmdeploy_pdfix.patching import (
     attribute_problem,
     coroutine_problem,
     first_problem,
-    install_wrapper,
     lmdeploy_logger,
-    remove_wrapper,
     signature_problem,
 )
 
@@ -208,11 +206,11 @@ class MigrationFaultsPatch(Patch):
     def _apply(self, module: ModuleType) -> None:
         error_type = module.ResponseType.INTERNAL_ENGINE_ERROR
         ready = module.MessageStatus.MIGRATION_READY
-        install_wrapper(module.EngineLoop, '_migration_loop_migrate',
+        self.wrap(module.EngineLoop, '_migration_loop_migrate',
                         lambda original: _migrating_each_alone(original, module.response_reqs, error_type, ready))
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module.EngineLoop, '_migration_loop_migrate')
+        self.unwrap(module.EngineLoop, '_migration_loop_migrate')
 
 
 PATCH = MigrationFaultsPatch()

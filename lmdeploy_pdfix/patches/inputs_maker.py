@@ -10,7 +10,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from lmdeploy_pdfix.chunking import prefill_chunk_must_advance
-from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
+from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 
 
 def _stepping_prefill_chunks(original, prefill_role):
@@ -48,11 +48,11 @@ class PrefillChunkingPatch(Patch):
 
     def _apply(self, module: ModuleType) -> None:
         prefill_role = module.EngineRole.Prefill
-        install_wrapper(module.InputsMakerAsync, 'update_running_seqs',
+        self.wrap(module.InputsMakerAsync, 'update_running_seqs',
                         lambda original: _stepping_prefill_chunks(original, prefill_role))
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module.InputsMakerAsync, 'update_running_seqs')
+        self.unwrap(module.InputsMakerAsync, 'update_running_seqs')
 
 
 PATCH = PrefillChunkingPatch()

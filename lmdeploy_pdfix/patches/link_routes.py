@@ -3,7 +3,7 @@
 LMDeploy's ``/distserve/p2p_initialize``, ``p2p_connect``, ``p2p_drop_connect`` and ``free_cache`` call the
 engine process by a synchronous RPC from inside the api_server's event loop: while the engine is busy, the
 node answers nothing, ``/health`` included, and the proxy drops it. Here they call the same engine methods by
-the engine's asynchronous RPC. (``serving_cache_owner`` swaps ``free_cache`` for its truthful one where the
+the engine's asynchronous RPC. (``node_cache_routes`` swaps ``free_cache`` for its truthful one where the
 engine keeps a book of preserved caches; the plain one here serves otherwise.)
 """
 
@@ -18,8 +18,6 @@ from lmdeploy_pdfix.patches._routes import find_post_route, swap_endpoint
 from lmdeploy_pdfix.patching import (
     Patch,
     first_problem,
-    install_wrapper,
-    remove_wrapper,
     signature_problem,
     wrapped_original,
 )
@@ -97,10 +95,10 @@ class LinkRoutesPatch(Patch):
                              signature_problem(worker, 'p2p_drop_connect', ['self', 'drop_conn_request']))
 
     def _apply(self, module: ModuleType) -> None:
-        install_wrapper(module, 'create_openai_router', _nonblocking_links)
+        self.wrap(module, 'create_openai_router', _nonblocking_links)
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module, 'create_openai_router')
+        self.unwrap(module, 'create_openai_router')
 
 
 PATCH = LinkRoutesPatch()

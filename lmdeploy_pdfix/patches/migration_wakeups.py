@@ -17,9 +17,7 @@ from lmdeploy_pdfix.patching import (
     attribute_problem,
     coroutine_problem,
     first_problem,
-    install_wrapper,
     lmdeploy_logger,
-    remove_wrapper,
 )
 
 _warned: set[str] = set()
@@ -72,10 +70,10 @@ class MigrationWakeupsPatch(Patch):
                              coroutine_problem(loop, 'migration_loop'))
 
     def _apply(self, module: ModuleType) -> None:
-        install_wrapper(module.EngineLoop, '__init__', _self_clearing_migration_event)
+        self.wrap(module.EngineLoop, '__init__', _self_clearing_migration_event)
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module.EngineLoop, '__init__')
+        self.unwrap(module.EngineLoop, '__init__')
 
 
 PATCH = MigrationWakeupsPatch()

@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
+from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 
 
 def _tolerating_absent_session(original):
@@ -133,16 +133,16 @@ class ProxyConnectionsPatch(Patch):
         )
 
     def _apply(self, module: ModuleType) -> None:
-        install_wrapper(module.PDConnectionPool, 'unshelf_prefill_session', _tolerating_absent_session)
-        install_wrapper(module.PDConnectionPool, 'connect', _one_attempt_per_link)
-        install_wrapper(module.PDConnectionPool, 'drop', _dropping_without_freeing_in_flight)
-        install_wrapper(module.PDConnectionPool, 'dereg_instance', _dropping_prefill_links)
+        self.wrap(module.PDConnectionPool, 'unshelf_prefill_session', _tolerating_absent_session)
+        self.wrap(module.PDConnectionPool, 'connect', _one_attempt_per_link)
+        self.wrap(module.PDConnectionPool, 'drop', _dropping_without_freeing_in_flight)
+        self.wrap(module.PDConnectionPool, 'dereg_instance', _dropping_prefill_links)
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module.PDConnectionPool, 'unshelf_prefill_session')
-        remove_wrapper(module.PDConnectionPool, 'connect')
-        remove_wrapper(module.PDConnectionPool, 'drop')
-        remove_wrapper(module.PDConnectionPool, 'dereg_instance')
+        self.unwrap(module.PDConnectionPool, 'unshelf_prefill_session')
+        self.unwrap(module.PDConnectionPool, 'connect')
+        self.unwrap(module.PDConnectionPool, 'drop')
+        self.unwrap(module.PDConnectionPool, 'dereg_instance')
 
 
 PATCH = ProxyConnectionsPatch()

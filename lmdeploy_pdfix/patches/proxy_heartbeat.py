@@ -19,9 +19,7 @@ from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patching import (
     Patch,
     first_problem,
-    install_wrapper,
     lmdeploy_logger,
-    remove_wrapper,
     signature_problem,
 )
 
@@ -123,12 +121,12 @@ class ProxyHeartbeatPatch(Patch):
         )
 
     def _apply(self, module: ModuleType) -> None:
-        install_wrapper(module.NodeManager, 'remove_stale_nodes_by_expiration', _heartbeat(self.removed_nodes))
-        install_wrapper(module.NodeManager, 'remove', _forgetting_removed(self.removed_nodes))
+        self.wrap(module.NodeManager, 'remove_stale_nodes_by_expiration', _heartbeat(self.removed_nodes))
+        self.wrap(module.NodeManager, 'remove', _forgetting_removed(self.removed_nodes))
 
     def _revert(self, module: ModuleType) -> None:
         for attribute in ('remove_stale_nodes_by_expiration', 'remove'):
-            remove_wrapper(module.NodeManager, attribute)
+            self.unwrap(module.NodeManager, attribute)
         self.removed_nodes = RemovedNodes()
 
 

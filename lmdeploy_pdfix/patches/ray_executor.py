@@ -14,7 +14,7 @@ import os
 from types import ModuleType
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
+from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 
 BUILDER = '_update_runtime_envs'
 
@@ -56,10 +56,10 @@ class RayWorkersEnvPatch(Patch):
 
     def _apply(self, module: ModuleType) -> None:
         # a module global: _init_workers_ray looks it up at each call, so replacing it is enough
-        install_wrapper(module, BUILDER, _forwarding_pdfix_switches)
+        self.wrap(module, BUILDER, _forwarding_pdfix_switches)
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module, BUILDER)
+        self.unwrap(module, BUILDER)
 
 
 PATCH = RayWorkersEnvPatch()

@@ -9,46 +9,32 @@ token (D8) gets a finished answer marked ``prefill_finished`` and its preserved 
 500 that keeps the session. The node also answers
 ``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
 
-The DistServe routes (truthful ``/distserve/free_cache``, claims, the node audit) and the Decode
-node's checks of ``migration_request`` are in :mod:`lmdeploy_pdfix.patches._node_routes`. A Decode answer
-decoded from a dummy prefill is marked ``dummy_prefill`` (D19).
+The DistServe routes of the node (truthful frees, claims, audit) are the ``node_cache_routes`` unit; the
+Decode node's checks of ``migration_request`` are ``decode_migration_checks``.
 """
 
 from __future__ import annotations
 
 import contextvars
 import importlib
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import shortuuid
-from fastapi.responses import StreamingResponse
 
 from lmdeploy_pdfix import __version__
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
-from lmdeploy_pdfix.patches._node_routes import (
-    add_node_routes,
-    engine_book_available,
-    forget_link,
-    free_cache_endpoint,
-    migration_request_of,
-    record_link,
-    refused_migration,
-    release_cache,
-)
-from lmdeploy_pdfix.patches._routes import swap_endpoint
-from lmdeploy_pdfix.patching import Patch, first_problem, install_wrapper, remove_wrapper, signature_problem
+from lmdeploy_pdfix.patches._node_routes import release_cache
+from lmdeploy_pdfix.patches._routes import each_transformed, find_post_route, rewritten_answer, swap_endpoint
+from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.preserved import ReleaseCause
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
+    CLAIM_PATH,
     COMPLETIONS_PATH,
-    DUMMY_PREFILL_FIELD,
-    FREE_PATH,
     PREFILL_FINISHED_FIELD,
-    sse_chunk_rewritten,
     sse_chunk_with_owner,
     with_owner,
 )
@@ -60,7 +46,6 @@ ENDPOINT_MODULES = {
 }
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
-ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
 
 
 @dataclass
@@ -97,44 +82,14 @@ def _observing_outputs(original):
     def generate(self, *args, **kwargs):
         outputs = original(self, *args, **kwargs)
         trace = _trace.get()
-        return outputs if trace is None else _each(outputs, trace.observe)
+        return outputs if trace is None else each_transformed(outputs, trace.observe)
 
     return generate
 
 
-async def _each(items: AsyncIterator[Any], transform: Callable[[Any], Any]) -> AsyncIterator[Any]:
-    """``items`` through ``transform``; closing this closes ``items`` too (LMDeploy's cleanup relies on it)."""
-    try:
-        async for item in items:
-            yield transform(item)
-    finally:
-        close = getattr(items, 'aclose', None)
-        if close is not None:
-            await close()
-
-
-def _recording(original, record):
-    """LMDeploy's own link path (``link_routes`` off) notes the links the Decode checks need, too."""
-    def p2p_call(self, request):
-        result = original(self, request)
-        record(request)
-        return result
-
-    return p2p_call
-
-
 def _reporting_owner(path: str, server_context):
-    error_response = importlib.import_module(ERRORS_MODULE).create_error_response
-
     def make_endpoint(endpoint):
         async def endpoint_reporting_owner(*args, **kwargs):
-            raw_request = kwargs.get('raw_request')
-            if raw_request is not None:
-                refusal = await refused_migration(raw_request, error_response)
-                if refusal is not None:
-                    return refusal
-                if await _is_dummy_prefill(raw_request):
-                    return _marked_dummy(await endpoint(*args, **kwargs))
             trace = _RequestTrace()
             token = _trace.set(trace)
             try:
@@ -154,25 +109,6 @@ def _reporting_owner(path: str, server_context):
         return endpoint_reporting_owner
 
     return make_endpoint
-
-
-async def _is_dummy_prefill(raw_request: Any) -> bool:
-    migration = await migration_request_of(raw_request)
-    return migration is not None and migration.get('is_dummy_prefill') is True
-
-
-def _marked_dummy(response: Any) -> Any:
-    """D19: no KV was migrated, so the text was decoded from uninitialised blocks; say so."""
-    if isinstance(response, dict):
-        return {**response, DUMMY_PREFILL_FIELD: True}
-    if isinstance(response, StreamingResponse):
-        response.body_iterator = _each(response.body_iterator,
-                                       lambda chunk: sse_chunk_rewritten(chunk, _with_dummy_mark))
-    return response
-
-
-def _with_dummy_mark(event: dict[str, Any]) -> dict[str, Any]:
-    return {**event, DUMMY_PREFILL_FIELD: True}
 
 
 def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str, Any]:
@@ -195,23 +131,18 @@ def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str,
 def _response_with_owner(response: Any, owner: int | None) -> Any:
     if owner is None:
         return response
-    if isinstance(response, dict):
-        return with_owner(response, owner)
-    if isinstance(response, StreamingResponse):
-        response.body_iterator = _each(response.body_iterator, lambda chunk: sse_chunk_with_owner(chunk, owner))
-    return response
+    return rewritten_answer(response, lambda body: with_owner(body, owner),
+                            lambda chunk: sse_chunk_with_owner(chunk, owner))
 
 
-def _adding_distserve_routes(original):
+def _adding_capabilities(original):
     def register(router, server_context):
         original(router, server_context)
-        book = engine_book_available()
-        if book:
-            swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
-            add_node_routes(router, server_context)
 
         @router.get(CAPABILITIES_PATH)
         async def pdfix_capabilities():
+            # asked of the router, not of the switches: node_cache_routes adds claims and the truthful free together
+            book = find_post_route(router.routes, CLAIM_PATH) is not None
             return {'cache_owner': True, 'truthful_free': book, 'claims': book, 'lmdeploy_pdfix': __version__}
 
     return register
@@ -234,8 +165,6 @@ class ServingCacheOwnerPatch(Patch):
     wraps = (
         'lmdeploy.serve.openai.api_server:ServerContext.create_session',
         'lmdeploy.serve.core.async_engine:AsyncEngine.generate',
-        'lmdeploy.serve.core.async_engine:AsyncEngine.p2p_initialize',
-        'lmdeploy.serve.core.async_engine:AsyncEngine.p2p_drop_connect',
         'lmdeploy.serve.openai.chat_completions:register',
         'lmdeploy.serve.openai.endpoints.completions:register',
         'lmdeploy.serve.openai.endpoints.distserve:register',
@@ -250,31 +179,24 @@ class ServingCacheOwnerPatch(Patch):
         engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
         if engine is None:
             return 'AsyncEngine is missing'
-        if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
-            return 'create_error_response is missing'
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
                              signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
-                             signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
-                             signature_problem(engine, 'p2p_drop_connect', ['self', 'drop_conn_request']),
                              *registers)
 
     def _apply(self, module: ModuleType) -> None:
-        install_wrapper(module.ServerContext, 'create_session', _recording_created_sessions)
+        self.wrap(module.ServerContext, 'create_session', _recording_created_sessions)
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
-        install_wrapper(engine, 'generate', _observing_outputs)
-        install_wrapper(engine, 'p2p_initialize', lambda original: _recording(original, record_link))
-        install_wrapper(engine, 'p2p_drop_connect', lambda original: _recording(original, forget_link))
+        self.wrap(engine, 'generate', _observing_outputs)
         for name, path in ENDPOINT_MODULES.items():
-            install_wrapper(importlib.import_module(name), 'register', _registering_owner_routes(path))
-        install_wrapper(importlib.import_module(DISTSERVE_MODULE), 'register', _adding_distserve_routes)
+            self.wrap(importlib.import_module(name), 'register', _registering_owner_routes(path))
+        self.wrap(importlib.import_module(DISTSERVE_MODULE), 'register', _adding_capabilities)
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module.ServerContext, 'create_session')
+        self.unwrap(module.ServerContext, 'create_session')
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
-        for attribute in ('generate', 'p2p_initialize', 'p2p_drop_connect'):
-            remove_wrapper(engine, attribute)
+        self.unwrap(engine, 'generate')
         for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
-            remove_wrapper(importlib.import_module(name), 'register')
+            self.unwrap(importlib.import_module(name), 'register')
 
 
 PATCH = ServingCacheOwnerPatch()

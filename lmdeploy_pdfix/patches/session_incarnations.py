@@ -17,8 +17,6 @@ from lmdeploy_pdfix.patching import (
     Patch,
     attribute_problem,
     first_problem,
-    install_wrapper,
-    remove_wrapper,
     signature_problem,
 )
 
@@ -46,10 +44,10 @@ class SessionIncarnationsPatch(Patch):
                              attribute_problem(manager, ['session_id_generator']))
 
     def _apply(self, module: ModuleType) -> None:
-        install_wrapper(module.SessionManager, '__init__', _numbering_from_incarnation)
+        self.wrap(module.SessionManager, '__init__', _numbering_from_incarnation)
 
     def _revert(self, module: ModuleType) -> None:
-        remove_wrapper(module.SessionManager, '__init__')
+        self.unwrap(module.SessionManager, '__init__')
 
 
 PATCH = SessionIncarnationsPatch()

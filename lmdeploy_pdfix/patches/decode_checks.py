@@ -1,0 +1,118 @@
+"""A Decode node checks every ``migration_request`` before LMDeploy acts on it (defects D5, D19; #4965).
+
+LMDeploy's chat and completions endpoints migrate whatever block ids a ``migration_request`` names, from
+whichever Prefill node it names: a malformed request crashes the engine, and a stale or forged one copies
+blocks that belong to another request, which then decodes a wrong text with HTTP 200. With this unit the
+endpoint first checks that the request is well formed, comes from a Prefill node this Decode is linked to,
+and that the Prefill node confirms the cache (its claim route); a failed check is a 4xx naming the problem.
+An answer decoded from a dummy prefill (no KV migrated, D19) is marked ``dummy_prefill``.
+
+The links are noted where LMDeploy makes them (``AsyncEngine.p2p_initialize`` / ``p2p_drop_connect``), and
+by the ``link_routes`` unit where it serves those routes itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from lmdeploy_pdfix.patches._node_routes import forget_link, migration_request_of, record_link, refused_migration
+from lmdeploy_pdfix.patches._routes import rewritten_answer, swap_endpoint
+from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
+from lmdeploy_pdfix.protocol import CHAT_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
+
+ENDPOINT_MODULES = {
+    'lmdeploy.serve.openai.chat_completions': CHAT_PATH,
+    'lmdeploy.serve.openai.endpoints.completions': COMPLETIONS_PATH,
+}
+ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
+ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
+
+
+def _checking_migration(make_error):
+    def make_endpoint(endpoint):
+        async def endpoint_checking_migration(*args, **kwargs):
+            raw_request = kwargs.get('raw_request')
+            if raw_request is None:
+                return await endpoint(*args, **kwargs)
+            refusal = await refused_migration(raw_request, make_error)
+            if refusal is not None:
+                return refusal
+            if await _is_dummy_prefill(raw_request):
+                return rewritten_answer(await endpoint(*args, **kwargs), _with_dummy_mark)
+            return await endpoint(*args, **kwargs)
+
+        return endpoint_checking_migration
+
+    return make_endpoint
+
+
+async def _is_dummy_prefill(raw_request: Any) -> bool:
+    migration = await migration_request_of(raw_request)
+    return migration is not None and migration.get('is_dummy_prefill') is True
+
+
+def _with_dummy_mark(event: dict[str, Any]) -> dict[str, Any]:
+    """D19: no KV was migrated, so the text was decoded from uninitialised blocks; say so."""
+    return {**event, DUMMY_PREFILL_FIELD: True}
+
+
+def _registering_checks(path: str):
+    def make_register(original):
+        def register(router, server_context):
+            original(router, server_context)
+            make_error = importlib.import_module(ERRORS_MODULE).create_error_response
+            swap_endpoint(router.routes, path, _checking_migration(make_error))
+
+        return register
+
+    return make_register
+
+
+def _noting(original, note):
+    def p2p_call(self, request):
+        result = original(self, request)
+        note(request)
+        return result
+
+    return p2p_call
+
+
+class DecodeMigrationChecksPatch(Patch):
+    name = 'decode_migration_checks'
+    target = 'lmdeploy.serve.openai.api_server'
+    wraps = (
+        f'{ASYNC_ENGINE_MODULE}:AsyncEngine.p2p_initialize',
+        f'{ASYNC_ENGINE_MODULE}:AsyncEngine.p2p_drop_connect',
+        *(f'{name}:register' for name in ENDPOINT_MODULES),
+    )
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
+        if engine is None:
+            return 'AsyncEngine is missing'
+        if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
+            return 'create_error_response is missing'
+        registers = [signature_problem(importlib.import_module(name), 'register', ['router', 'server_context'])
+                     for name in ENDPOINT_MODULES]
+        return first_problem(signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
+                             signature_problem(engine, 'p2p_drop_connect', ['self', 'drop_conn_request']),
+                             *registers)
+
+    def _apply(self, module: ModuleType) -> None:
+        engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
+        self.wrap(engine, 'p2p_initialize', lambda original: _noting(original, record_link))
+        self.wrap(engine, 'p2p_drop_connect', lambda original: _noting(original, forget_link))
+        for name, path in ENDPOINT_MODULES.items():
+            self.wrap(importlib.import_module(name), 'register', _registering_checks(path))
+
+    def _revert(self, module: ModuleType) -> None:
+        engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
+        self.unwrap(engine, 'p2p_initialize')
+        self.unwrap(engine, 'p2p_drop_connect')
+        for name in ENDPOINT_MODULES:
+            self.unwrap(importlib.import_module(name), 'register')
+
+
+PATCH = DecodeMigrationChecksPatch()

@@ -1,0 +1,52 @@
+"""A node's DistServe cache routes tell the truth: frees, claims and the audit (defect D15).
+
+LMDeploy's ``/distserve/free_cache`` ends whatever session id it is given and answers success either way;
+a running request can be ended by a stale id, and a miss is an "invalid free" error in the log. With this
+unit the route releases only a cache the engine's book of preserved caches holds (``engine_sessions``), and
+says so: ``released``, ``not_found`` or ``refused``, each definitive. ``POST /distserve/pdfix/claim`` lets a
+Decode node confirm a cache before it migrates it, and ``GET /distserve/pdfix/audit`` shows the book. The
+handlers are in :mod:`lmdeploy_pdfix.patches._node_routes`.
+
+The book lives in the engine process, which runs the same code with the same switches; where
+``engine_sessions`` does not apply, the node keeps LMDeploy's free and serves no claims (its capability
+route says so), rather than answering from an empty book.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from lmdeploy_pdfix.patches._node_routes import add_node_routes, engine_book_available, free_cache_endpoint
+from lmdeploy_pdfix.patches._routes import swap_endpoint
+from lmdeploy_pdfix.patching import Patch, signature_problem
+from lmdeploy_pdfix.protocol import FREE_PATH
+
+DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'
+
+
+def _adding_cache_routes(original):
+    def register(router, server_context):
+        original(router, server_context)
+        if engine_book_available():
+            swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
+            add_node_routes(router, server_context)
+
+    return register
+
+
+class NodeCacheRoutesPatch(Patch):
+    name = 'node_cache_routes'
+    target = DISTSERVE_MODULE
+    wraps = (f'{DISTSERVE_MODULE}:register',)
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        return signature_problem(module, 'register', ['router', 'server_context'])
+
+    def _apply(self, module: ModuleType) -> None:
+        self.wrap(module, 'register', _adding_cache_routes)
+
+    def _revert(self, module: ModuleType) -> None:
+        self.unwrap(module, 'register')
+
+
+PATCH = NodeCacheRoutesPatch()
