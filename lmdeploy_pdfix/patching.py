@@ -26,7 +26,8 @@ class Patch:
     """One correction of one LMDeploy module.
 
     Subclasses name their ``target`` module and implement ``shape_problem`` (why the module does not look
-    like the code this patch was written against, or None), ``_apply`` and ``_revert``. Nothing of
+    like the code this patch was written against, or None) and ``_apply``, which wraps through :meth:`wrap` so
+    that revert is its mirror image (``_revert`` only where a unit changes more than it wraps). Nothing of
     LMDeploy is touched unless every check passes.
     """
 
@@ -40,6 +41,7 @@ class Patch:
         self.state = PatchState.PENDING
         self.reason: str | None = None
         self._module: ModuleType | None = None
+        self._wrapped: list[tuple[Any, str]] = []
 
     def shape_problem(self, module: ModuleType) -> str | None:
         raise NotImplementedError
@@ -48,7 +50,10 @@ class Patch:
         raise NotImplementedError
 
     def _revert(self, module: ModuleType) -> None:
-        raise NotImplementedError
+        """Take off every layer :meth:`wrap` put on, last first; a unit that changes more undoes that too."""
+        while self._wrapped:
+            owner, attribute = self._wrapped.pop()
+            remove_wrapper(owner, attribute, self.name)
 
     def refusal(self, module: ModuleType) -> str | None:
         """Why this patch must not touch ``module``, or None when it may."""
@@ -86,12 +91,9 @@ class Patch:
             self._revert(module)
 
     def wrap(self, owner: Any, attribute: str, make_wrapper: Callable[[Any], Any]) -> None:
-        """This unit's layer over ``owner.attribute`` (see :func:`install_wrapper`)."""
+        """This unit's layer over ``owner.attribute`` (see :func:`install_wrapper`); revert takes it off."""
         install_wrapper(owner, attribute, make_wrapper, self.name)
-
-    def unwrap(self, owner: Any, attribute: str) -> None:
-        """Take this unit's layer off ``owner.attribute``, leaving other units' layers in place."""
-        remove_wrapper(owner, attribute, self.name)
+        self._wrapped.append((owner, attribute))
 
     def refuse(self, reason: str) -> None:
         """Leave LMDeploy stock for this patch, saying why (logged once)."""
@@ -101,6 +103,16 @@ class Patch:
         if first_time:
             lmdeploy_logger().warning(
                 'lmdeploy-pdfix: patch %r not applied, LMDeploy left stock for it: %s', self.name, reason)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as LMDeploy's logger would, the first time ``key`` is warned about in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        lmdeploy_logger().warning('lmdeploy-pdfix: %s', message)
 
 
 def lmdeploy_logger() -> logging.Logger:

@@ -27,7 +27,7 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger
+from lmdeploy_pdfix.patching import PatchState, warn_once
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import AUDIT_PATH, CLAIM_PATH, migration_request_problem
 
@@ -174,17 +174,7 @@ async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, s
     if status == HTTPStatus.OK:
         return status, None
     if not isinstance(body, dict) or 'status' not in body:  # a Prefill node without claims: nothing to confirm
-        _warn_unconfirmed(prefill, status)
+        warn_once(f'unconfirmed {prefill}', f'Prefill node {prefill} cannot confirm caches (HTTP {status} on '
+                  f'{CLAIM_PATH}); migrating without confirmation. Enable lmdeploy-pdfix there.')
         return status, None
     return status, f'Prefill node {prefill}: {body.get("detail", body["status"])}'
-
-
-_warned_unconfirmed: set[str] = set()
-
-
-def _warn_unconfirmed(prefill: str, status: int) -> None:
-    if prefill not in _warned_unconfirmed:
-        _warned_unconfirmed.add(prefill)
-        lmdeploy_logger().warning('lmdeploy-pdfix: Prefill node %s cannot confirm caches (HTTP %s on %s); '
-                                  'migrating without confirmation. Enable lmdeploy-pdfix there.',
-                                  prefill, status, CLAIM_PATH)

@@ -107,12 +107,5 @@ class DecodeMigrationChecksPatch(Patch):
         for name, path in ENDPOINT_MODULES.items():
             self.wrap(importlib.import_module(name), 'register', _registering_checks(path))
 
-    def _revert(self, module: ModuleType) -> None:
-        engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
-        self.unwrap(engine, 'p2p_initialize')
-        self.unwrap(engine, 'p2p_drop_connect')
-        for name in ENDPOINT_MODULES:
-            self.unwrap(importlib.import_module(name), 'register')
-
 
 PATCH = DecodeMigrationChecksPatch()

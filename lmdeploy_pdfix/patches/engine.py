@@ -236,8 +236,7 @@ class EngineSessionsPatch(Patch):
             setattr(worker, name, method)
 
     def _revert(self, module: ModuleType) -> None:
-        for attribute in ('_on_end_session', 'async_loop', '__init__'):
-            self.unwrap(module.Engine, attribute)
+        super()._revert(module)
         if self._stock_hanging is not None:
             importlib.import_module(SCHEDULER_MODULE).Scheduler.hanging = self._stock_hanging
             self._stock_hanging = None

@@ -210,9 +210,5 @@ class EngineConnectionsPatch(Patch):
         self.wrap(conn, 'p2p_initialize', _closing_the_old_link_first)
         self.wrap(conn, 'p2p_drop_connect', _closing_the_link)
 
-    def _revert(self, module: ModuleType) -> None:
-        for attribute in ('zmq_send', 'handle_zmq_recv', 'p2p_initialize', 'p2p_drop_connect'):
-            self.unwrap(module.EngineP2PConnection, attribute)
-
 
 PATCH = EngineConnectionsPatch()

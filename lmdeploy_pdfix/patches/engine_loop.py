@@ -209,8 +209,5 @@ class MigrationFaultsPatch(Patch):
         self.wrap(module.EngineLoop, '_migration_loop_migrate',
                         lambda original: _migrating_each_alone(original, module.response_reqs, error_type, ready))
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module.EngineLoop, '_migration_loop_migrate')
-
 
 PATCH = MigrationFaultsPatch()

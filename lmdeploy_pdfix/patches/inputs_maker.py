@@ -51,8 +51,5 @@ class PrefillChunkingPatch(Patch):
         self.wrap(module.InputsMakerAsync, 'update_running_seqs',
                         lambda original: _stepping_prefill_chunks(original, prefill_role))
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module.InputsMakerAsync, 'update_running_seqs')
-
 
 PATCH = PrefillChunkingPatch()

@@ -97,8 +97,5 @@ class LinkRoutesPatch(Patch):
     def _apply(self, module: ModuleType) -> None:
         self.wrap(module, 'create_openai_router', _nonblocking_links)
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module, 'create_openai_router')
-
 
 PATCH = LinkRoutesPatch()

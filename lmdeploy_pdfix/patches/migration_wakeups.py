@@ -17,16 +17,8 @@ from lmdeploy_pdfix.patching import (
     attribute_problem,
     coroutine_problem,
     first_problem,
-    lmdeploy_logger,
+    warn_once,
 )
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        lmdeploy_logger().warning('lmdeploy-pdfix: %s', message)
 
 
 class _SelfClearingEvent(asyncio.Event):
@@ -47,8 +39,8 @@ def _self_clearing_migration_event(original):
         if isinstance(event, _SelfClearingEvent):
             return
         if type(event) is not asyncio.Event or event.is_set():
-            _warn_once(f'EngineLoop.migration_event is {event!r}, not a fresh asyncio.Event; the migration loop '
-                       'may spin after an aborted migration request (D20)')
+            warn_once('migration_event', f'EngineLoop.migration_event is {event!r}, not a fresh asyncio.Event; the '
+                      'migration loop may spin after an aborted migration request (D20)')
             return
         self.migration_event = _SelfClearingEvent()
 
@@ -71,9 +63,6 @@ class MigrationWakeupsPatch(Patch):
 
     def _apply(self, module: ModuleType) -> None:
         self.wrap(module.EngineLoop, '__init__', _self_clearing_migration_event)
-
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module.EngineLoop, '__init__')
 
 
 PATCH = MigrationWakeupsPatch()

@@ -45,8 +45,5 @@ class NodeCacheRoutesPatch(Patch):
     def _apply(self, module: ModuleType) -> None:
         self.wrap(module, 'register', _adding_cache_routes)
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module, 'register')
-
 
 PATCH = NodeCacheRoutesPatch()

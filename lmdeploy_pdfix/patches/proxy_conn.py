@@ -138,11 +138,5 @@ class ProxyConnectionsPatch(Patch):
         self.wrap(module.PDConnectionPool, 'drop', _dropping_without_freeing_in_flight)
         self.wrap(module.PDConnectionPool, 'dereg_instance', _dropping_prefill_links)
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module.PDConnectionPool, 'unshelf_prefill_session')
-        self.unwrap(module.PDConnectionPool, 'connect')
-        self.unwrap(module.PDConnectionPool, 'drop')
-        self.unwrap(module.PDConnectionPool, 'dereg_instance')
-
 
 PATCH = ProxyConnectionsPatch()

@@ -125,8 +125,7 @@ class ProxyHeartbeatPatch(Patch):
         self.wrap(module.NodeManager, 'remove', _forgetting_removed(self.removed_nodes))
 
     def _revert(self, module: ModuleType) -> None:
-        for attribute in ('remove_stale_nodes_by_expiration', 'remove'):
-            self.unwrap(module.NodeManager, attribute)
+        super()._revert(module)
         self.removed_nodes = RemovedNodes()
 
 

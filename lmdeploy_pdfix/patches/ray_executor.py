@@ -58,8 +58,5 @@ class RayWorkersEnvPatch(Patch):
         # a module global: _init_workers_ray looks it up at each call, so replacing it is enough
         self.wrap(module, BUILDER, _forwarding_pdfix_switches)
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module, BUILDER)
-
 
 PATCH = RayWorkersEnvPatch()

@@ -191,12 +191,5 @@ class ServingCacheOwnerPatch(Patch):
             self.wrap(importlib.import_module(name), 'register', _registering_owner_routes(path))
         self.wrap(importlib.import_module(DISTSERVE_MODULE), 'register', _adding_capabilities)
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module.ServerContext, 'create_session')
-        engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
-        self.unwrap(engine, 'generate')
-        for name in (*ENDPOINT_MODULES, DISTSERVE_MODULE):
-            self.unwrap(importlib.import_module(name), 'register')
-
 
 PATCH = ServingCacheOwnerPatch()

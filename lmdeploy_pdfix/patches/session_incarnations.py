@@ -46,8 +46,5 @@ class SessionIncarnationsPatch(Patch):
     def _apply(self, module: ModuleType) -> None:
         self.wrap(module.SessionManager, '__init__', _numbering_from_incarnation)
 
-    def _revert(self, module: ModuleType) -> None:
-        self.unwrap(module.SessionManager, '__init__')
-
 
 PATCH = SessionIncarnationsPatch()
