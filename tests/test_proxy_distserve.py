@@ -264,6 +264,18 @@ async def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(distser
 
 
 @pytest.mark.regression
+async def test_a_streamed_list_of_one_prompt_streams_that_prompt_and_leaves_nothing_open(distserve: Cluster) -> None:
+    request = {**COMPLETION, 'prompt': ['a'], 'stream': True}
+    async with httpx.AsyncClient(timeout=30) as client, \
+            client.stream('POST', distserve.url + '/v1/completions', json=request) as response:
+        assert response.status_code == 200
+        events = [line async for line in response.aiter_lines() if line.startswith('data: {')]
+    owner = distserve.prefill.owner_of_prompt['a']
+    assert ' '.join(json.loads(event[len('data: '):])['choices'][0]['text'] for event in events) == decoded_text(owner)
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
 @pytest.mark.parametrize('stream', [False, True], ids=['plain', 'streamed'])
 async def test_an_answer_finished_at_the_prefill_is_returned_without_a_decode(distserve: Cluster,
                                                                               stream: bool) -> None:

@@ -411,8 +411,11 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
         return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
     if not _is_batch(request_dict):
         return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), request_dict)
+    singles = split_prompts(request_dict)
+    if request_dict.get('stream'):  # a list of one prompt (longer ones are refused above): that prompt's stream
+        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), singles[0])
     answers = await asyncio.gather(*(_relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), single)
-                                     for single in split_prompts(request_dict)))
+                                     for single in singles))
     failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)
     if failed is not None:
         return failed  # every prompt's relay has settled its own cache already
