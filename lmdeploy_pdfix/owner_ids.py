@@ -37,8 +37,8 @@ def is_owner_id(value: Any) -> bool:
 
 
 def is_index(value: Any) -> bool:
-    # bool is an int subclass, but True is never a session, block or token id
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    # bool is an int subclass, but True is never a session, block or token id; the engine keeps them in 64 bits
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 63
 
 
 def single_owner(session_ids: Sequence[int]) -> int | None:

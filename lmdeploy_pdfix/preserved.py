@@ -146,8 +146,8 @@ class PreservedBook:
         cache = self._caches.get(owner)
         if cache is not None:
             if cache.block_ids != block_ids:
-                return Answer(Verdict.REFUSED, f'block ids {list(block_ids)} are not those of preserved cache '
-                                               f'{owner} ({list(cache.block_ids)})')
+                # the caller learns that its block ids are wrong, not which are right
+                return Answer(Verdict.REFUSED, f'block ids do not match preserved cache {owner}')
             cache.touched_at = self._clock()
             return Answer(Verdict.CLAIMED, f'preserved cache {owner} confirmed')
         stale = self._stale(owner)

@@ -1,7 +1,7 @@
 """What crosses the wire between the proxy and the nodes: paths, field names, and the one validating parse of each.
 
 Both sides import it, so a path or a field is named once. Everything that arrives over the network is checked
-here before it is used (:func:`parse_prefill_answer`, :func:`migration_request_problem`).
+here before it is used (:func:`parse_prefill_answer`, :func:`parse_migration_request`).
 """
 
 from __future__ import annotations
@@ -118,15 +118,82 @@ def parse_prefill_answer(body: Any) -> PrefillAnswer:
     return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1])
 
 
-def migration_request_problem(owner: Any, block_ids: Any) -> str | None:
-    """Why a migration of ``block_ids`` owned by ``owner`` cannot be right, or None."""
+def migration_request_problem(owner: Any, block_ids: Any,
+                              names: tuple[str, str] = ('remote_session_id', 'remote_block_ids')) -> str | None:
+    """Why a migration of ``block_ids`` owned by ``owner`` cannot be right, or None (a short reason)."""
+    owner_name, blocks_name = names
     if not is_owner_id(owner):
-        return f'remote_session_id {owner!r} is not a cache owner (a non-negative integer)'
+        return f'{owner_name} {_short(owner)} is not a cache owner (a non-negative 64-bit integer)'
     if not _is_int_list(block_ids) or not block_ids:
-        return f'remote_block_ids {block_ids!r} is not a non-empty list of block ids'
+        return f'{blocks_name} {_short(block_ids)} is not a non-empty list of block ids'
     if len(set(block_ids)) != len(block_ids):
-        return f'remote_block_ids {block_ids!r} names a block twice'
+        return f'{blocks_name} names a block twice'
     return None
+
+
+def parse_claim(body: Any) -> tuple[int, list[int]]:
+    """A claim's owner and block ids; raise :class:`MigrationRequestError` with a short reason."""
+    if not isinstance(body, dict):
+        raise MigrationRequestError('a claim is a JSON object with owner and block_ids')
+    owner, block_ids = body.get('owner'), body.get('block_ids')
+    problem = migration_request_problem(owner, block_ids, names=('owner', 'block_ids'))
+    if problem is not None:
+        raise MigrationRequestError(problem)
+    return owner, block_ids
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    """``value``'s repr, cut short: a refusal names what it refused without echoing a huge input."""
+    if isinstance(value, (list, dict, str)) and len(value) > limit:
+        return f'a {type(value).__name__} of {len(value)}'
+    try:
+        text = repr(value)
+    except ValueError:  # an int of thousands of digits has no repr
+        return 'a very large integer'
+    return text if len(text) <= limit else f'{text[:limit]}…'
+
+
+class MigrationRequestError(ValueError):
+    """A ``migration_request`` no Decode node may act on; the message says why, briefly."""
+
+
+@dataclass(frozen=True)
+class MigrationOrder:
+    """What a Decode request's ``migration_request`` asks for, once validated."""
+
+    prefill: str
+    owner: int
+    block_ids: list[int]
+    dummy: bool  # decode from no migrated KV at all (D19); nothing of a Prefill node is named then
+
+
+def parse_migration_request(body: Any) -> MigrationOrder | None:
+    """The validated ``migration_request`` of a Decode request's JSON ``body``; None when it carries none.
+
+    One parse decides everything: LMDeploy reads the same fields with pydantic's lax types (``"false"`` is
+    False to it), so a value that is not exactly of its type is refused here rather than read two ways.
+    """
+    migration = body.get('migration_request') if isinstance(body, dict) else None
+    if migration is None:
+        return None
+    if not isinstance(migration, dict):
+        raise MigrationRequestError('migration_request is not a JSON object')
+    prompt = body.get('prompt')
+    if (isinstance(prompt, list) and len(prompt) != 1) or body.get('n') not in (None, 1):
+        raise MigrationRequestError('a migration_request serves exactly one prompt and one sequence')
+    dummy = migration.get('is_dummy_prefill', False)
+    if not isinstance(dummy, bool):
+        raise MigrationRequestError('is_dummy_prefill must be true or false')
+    if dummy:
+        return MigrationOrder(prefill='', owner=0, block_ids=[], dummy=True)
+    owner, block_ids = migration.get('remote_session_id'), migration.get('remote_block_ids')
+    problem = migration_request_problem(owner, block_ids)
+    if problem is not None:
+        raise MigrationRequestError(problem)
+    prefill = migration.get('remote_engine_id')
+    if not isinstance(prefill, str):
+        raise MigrationRequestError('remote_engine_id is not a node URL')
+    return MigrationOrder(prefill=prefill, owner=owner, block_ids=block_ids, dummy=False)
 
 
 def _is_int_list(value: Any) -> bool:

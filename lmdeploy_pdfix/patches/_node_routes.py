@@ -17,8 +17,11 @@ The book of preserved caches lives in the engine process; these handlers reach i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
+import json
 from collections import Counter
+from collections.abc import Callable
 from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
@@ -27,9 +30,15 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from lmdeploy_pdfix.patching import PatchState, warn_once
+from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger, warn_once
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
-from lmdeploy_pdfix.protocol import AUDIT_PATH, CLAIM_PATH, migration_request_problem
+from lmdeploy_pdfix.protocol import (
+    AUDIT_PATH,
+    CLAIM_PATH,
+    MigrationRequestError,
+    parse_claim,
+    parse_migration_request,
+)
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
@@ -94,12 +103,17 @@ def add_node_routes(router: Any, server_context: Any) -> None:
 
     @router.post(CLAIM_PATH)
     async def pdfix_claim(raw_request: Request) -> JSONResponse:
-        body = await raw_request.json()
-        owner, block_ids = body.get('owner'), body.get('block_ids')
-        problem = migration_request_problem(owner, block_ids)
-        if problem is not None:
-            return JSONResponse({'status': Verdict.REFUSED.value, 'detail': problem}, HTTPStatus.BAD_REQUEST)
-        answer = await engine_call(server_context.async_engine, 'pdfix_claim_preserved', owner, block_ids)
+        try:
+            owner, block_ids = parse_claim(await raw_request.json())
+        except ValueError as exc:  # not JSON (json's error) or not a claim (ours)
+            detail = str(exc) if isinstance(exc, MigrationRequestError) else 'the body is not JSON'
+            return JSONResponse({'status': Verdict.REFUSED.value, 'detail': detail}, HTTPStatus.BAD_REQUEST)
+        try:
+            answer = await engine_call(server_context.async_engine, 'pdfix_claim_preserved', owner, block_ids)
+        except Exception as exc:  # the engine could not answer: the claim is undecided, not refused
+            lmdeploy_logger().warning(f'lmdeploy-pdfix: claim of {owner} failed in the engine: {exc!r}')
+            return JSONResponse({'status': 'unavailable', 'detail': 'the engine did not answer'},
+                                HTTPStatus.SERVICE_UNAVAILABLE)
         return JSONResponse(answer, _CLAIM_STATUS[answer['status']])
 
     @router.get(AUDIT_PATH)
@@ -132,34 +146,42 @@ def forget_link(drop_request: Any) -> None:
         NODE.linked_peers.discard(request.remote_engine_id)
 
 
-async def migration_request_of(raw_request: Request) -> dict[str, Any] | None:
-    """The request's ``migration_request`` as sent, or None (Starlette caches the body for LMDeploy's own read)."""
-    migration = (await raw_request.json()).get('migration_request')
-    return migration if isinstance(migration, dict) else None
+async def checked_migration(raw_request: Request, error_response,
+                            lmdeploy_parse: Callable[[Any], Any]) -> tuple[JSONResponse | None, bool]:
+    """The 4xx answer for a ``migration_request`` this Decode node must not start (None to go ahead), and
+    whether the request decodes from a dummy prefill; both from one parse (Starlette caches the body).
+
+    ``lmdeploy_parse`` is LMDeploy's own model of the request: what it would not parse is a 400 here, not a 500
+    in its endpoint.
+    """
+    body = await raw_request.json()
+    try:
+        order = parse_migration_request(body)
+        if order is not None:
+            _parsed_by(lmdeploy_parse, body['migration_request'])
+    except MigrationRequestError as exc:
+        return _refused(HTTPStatus.BAD_REQUEST, str(exc), error_response), False
+    if order is None or order.dummy:
+        return None, order is not None
+    if order.prefill not in NODE.linked_peers:
+        return _refused(HTTPStatus.BAD_REQUEST, f'this Decode node is not linked to Prefill node {order.prefill!r}; '
+                        'migration requests come from the proxy after it links the pair', error_response), False
+    status, problem = await _claim(order.prefill, order.owner, order.block_ids)
+    return (None if problem is None else _refused(status, problem, error_response)), False
 
 
-async def refused_migration(raw_request: Request, error_response) -> JSONResponse | None:
-    """The 4xx answer for a ``migration_request`` this Decode node must not start, or None to go ahead."""
-    migration = await migration_request_of(raw_request)
-    if migration is None or migration.get('is_dummy_prefill'):
-        return None
-    status, problem = await _migration_problem(migration)
-    if problem is None:
-        return None
+def _parsed_by(lmdeploy_parse: Callable[[Any], Any], migration: dict[str, Any]) -> None:
+    try:
+        lmdeploy_parse(migration)
+    except ValueError as exc:  # pydantic's ValidationError: name the first field it refused, briefly
+        errors = getattr(exc, 'errors', lambda: [])()
+        where = '.'.join(str(part) for part in errors[0]['loc']) if errors else 'migration_request'
+        raise MigrationRequestError(f'{where}: {errors[0]["msg"] if errors else "does not parse"}') from None
+
+
+def _refused(status: int, problem: str, error_response) -> JSONResponse:
     NODE.refused_migrations[HTTPStatus(status).phrase] += 1
     return error_response(status, f'migration_request refused: {problem}')
-
-
-async def _migration_problem(migration: dict[str, Any]) -> tuple[int, str | None]:
-    owner, block_ids = migration.get('remote_session_id'), migration.get('remote_block_ids')
-    problem = migration_request_problem(owner, block_ids)
-    if problem is not None:
-        return HTTPStatus.BAD_REQUEST, problem
-    prefill = migration.get('remote_engine_id')
-    if prefill not in NODE.linked_peers:
-        return HTTPStatus.BAD_REQUEST, (f'this Decode node is not linked to Prefill node {prefill!r}; '
-                                        'migration requests come from the proxy after it links the pair')
-    return await _claim(prefill, owner, block_ids)
 
 
 async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, str | None]:
@@ -167,14 +189,19 @@ async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, s
         timeout = aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session, \
                 session.post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids}) as response:
-            status = response.status
-            body = await response.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            status, text = response.status, await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'
     if status == HTTPStatus.OK:
         return status, None
-    if not isinstance(body, dict) or 'status' not in body:  # a Prefill node without claims: nothing to confirm
+    body: Any = None
+    with contextlib.suppress(ValueError):
+        body = json.loads(text)
+    if status in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED) and (
+            not isinstance(body, dict) or 'status' not in body):  # no claim route: a Prefill without pdfix
         warn_once(f'unconfirmed {prefill}', f'Prefill node {prefill} cannot confirm caches (HTTP {status} on '
                   f'{CLAIM_PATH}); migrating without confirmation. Enable lmdeploy-pdfix there.')
         return status, None
+    if not isinstance(body, dict) or 'status' not in body:  # e.g. a 401: never migrate what nobody confirmed
+        return HTTPStatus.BAD_GATEWAY, f'Prefill node {prefill} did not confirm the cache (HTTP {status})'
     return status, f'Prefill node {prefill}: {body.get("detail", body["status"])}'

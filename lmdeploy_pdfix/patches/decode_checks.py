@@ -17,7 +17,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from lmdeploy_pdfix.patches._node_routes import forget_link, migration_request_of, record_link, refused_migration
+from lmdeploy_pdfix.patches._node_routes import checked_migration, forget_link, record_link
 from lmdeploy_pdfix.patches._routes import rewritten_answer, swap_endpoint
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.protocol import CHAT_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
@@ -28,29 +28,24 @@ ENDPOINT_MODULES = {
 }
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
 ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
+PROTOCOL_MODULE = 'lmdeploy.pytorch.disagg.conn.protocol'
 
 
-def _checking_migration(make_error):
+def _checking_migration(make_error, lmdeploy_parse):
     def make_endpoint(endpoint):
         async def endpoint_checking_migration(*args, **kwargs):
             raw_request = kwargs.get('raw_request')
             if raw_request is None:
                 return await endpoint(*args, **kwargs)
-            refusal = await refused_migration(raw_request, make_error)
+            refusal, dummy = await checked_migration(raw_request, make_error, lmdeploy_parse)
             if refusal is not None:
                 return refusal
-            if await _is_dummy_prefill(raw_request):
-                return rewritten_answer(await endpoint(*args, **kwargs), _with_dummy_mark)
-            return await endpoint(*args, **kwargs)
+            answer = await endpoint(*args, **kwargs)
+            return rewritten_answer(answer, _with_dummy_mark) if dummy else answer
 
         return endpoint_checking_migration
 
     return make_endpoint
-
-
-async def _is_dummy_prefill(raw_request: Any) -> bool:
-    migration = await migration_request_of(raw_request)
-    return migration is not None and migration.get('is_dummy_prefill') is True
 
 
 def _with_dummy_mark(event: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +58,8 @@ def _registering_checks(path: str):
         def register(router, server_context):
             original(router, server_context)
             make_error = importlib.import_module(ERRORS_MODULE).create_error_response
-            swap_endpoint(router.routes, path, _checking_migration(make_error))
+            model = importlib.import_module(PROTOCOL_MODULE).MigrationRequest
+            swap_endpoint(router.routes, path, _checking_migration(make_error, model.model_validate))
 
         return register
 
@@ -94,6 +90,8 @@ class DecodeMigrationChecksPatch(Patch):
             return 'AsyncEngine is missing'
         if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
             return 'create_error_response is missing'
+        if not hasattr(getattr(importlib.import_module(PROTOCOL_MODULE), 'MigrationRequest', None), 'model_validate'):
+            return 'MigrationRequest (a pydantic model) is missing'
         registers = [signature_problem(importlib.import_module(name), 'register', ['router', 'server_context'])
                      for name in ENDPOINT_MODULES]
         return first_problem(signature_problem(engine, 'p2p_initialize', ['self', 'init_request']),
