@@ -1,12 +1,15 @@
-"""Engine-side DistServe rules that need no cluster: which models a Prefill or Decode engine may serve (D9).
+"""Engine-side DistServe rules that need no cluster: which models a Prefill or Decode engine may serve (D9),
+and that reclaiming orphaned caches goes on whatever one pass meets.
 
 The cluster suite (tests/e2e/test_engine_faults.py) covers what the engine does with preserved caches.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,3 +62,24 @@ def test_a_hybrid_engine_still_serves_such_a_model(apply_patch, hybrid_model: st
     with pytest.raises(Exception) as raised:  # it goes on to what needs a GPU here
         start_engine(module, hybrid_model, 'Hybrid')
     assert 'DistServe migrates KV blocks only' not in str(raised.value)
+
+
+async def test_orphan_reclamation_goes_on_after_a_pass_that_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmdeploy_pdfix.patches import engine as engine_sessions
+    from lmdeploy_pdfix.preserved import PreservedBook
+
+    passes = []
+
+    def reclaim_orphans(engine) -> list[int]:
+        passes.append(engine)
+        if len(passes) == 1:
+            raise RuntimeError('a scheduler in an unexpected state')
+        return []
+
+    monkeypatch.setattr(engine_sessions, 'reclaim_orphans', reclaim_orphans)
+    engine = SimpleNamespace()
+    monkeypatch.setattr(engine_sessions, 'book_of', lambda engine: PreservedBook(orphan_ttl_s=0.04))
+    reclaimer = asyncio.ensure_future(engine_sessions._reclaim_periodically(engine))
+    await asyncio.sleep(0.1)
+    reclaimer.cancel()
+    assert len(passes) >= 2, 'the first failing pass ended reclamation'

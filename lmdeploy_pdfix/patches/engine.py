@@ -128,7 +128,11 @@ async def _reclaim_periodically(engine: Any) -> None:
     interval = min(book_of(engine).orphan_ttl_s / 4, _RECLAIM_INTERVAL_CAP_S)
     while True:
         await asyncio.sleep(interval)
-        reclaim_orphans(engine)
+        try:
+            reclaim_orphans(engine)
+        except Exception as exc:  # one bad pass must not end reclamation for good, unlogged
+            lmdeploy_logger().warning(f'lmdeploy-pdfix: reclaiming orphaned Prefill caches failed, retried in '
+                                      f'{interval:g} s: {exc!r}')
 
 
 # --- D9: only plain-KV models are served disaggregated ----------------------------------------------------------
