@@ -55,6 +55,7 @@ class FakePrefillEngine:
         # Chat reads ``tokenizer.model.model`` (for logit_bias and logprobs only, which these requests do not use).
         self.tokenizer = SimpleNamespace(model=SimpleNamespace(model=None))
         self.driven_sessions: list[int] = []
+        self.preserved: list[bool] = []  # each request's preserve_cache, as the engine got it
 
     async def preprocess(self, prompt: Any, session: Session, gen_config: Any = None, adapter_name: str | None = None,
                          **kwargs: Any) -> PreprocessedRequest:
@@ -66,6 +67,7 @@ class FakePrefillEngine:
         request.consumed = True
         self.driven_sessions.append(request.session.session_id)
         gen_config = request.gen_config
+        self.preserved.append(bool(getattr(gen_config, 'preserve_cache', False)))
         yield GenOut(response='Hello',
                      input_token_len=request.input_token_len,
                      generate_token_len=1,
@@ -213,6 +215,16 @@ async def test_only_answers_that_retain_a_cache_name_an_owner(
 async def test_prefill_node_tells_a_proxy_that_it_names_cache_owners(prefill_server: PrefillServer) -> None:
     response = await prefill_server.client.get(CAPABILITIES_PATH)
     assert response.status_code == 200 and response.json()['cache_owner'] is True
+
+
+@pytest.mark.regression
+async def test_only_a_prefill_node_keeps_a_cache_a_client_asked_to_preserve(prefill_server: PrefillServer) -> None:
+    # Preserved caches are never evicted until migrated, freed or reclaimed: on other roles a client could pin KV
+    for role in ('Prefill', 'Decode', 'Hybrid'):
+        prefill_server.engine.backend_config = PytorchEngineConfig(role=EngineRole[role])
+        await prefill_server.post('/v1/completions', completion_request(**WITH_CACHE))
+        await prefill_server.post('/v1/chat/completions', chat_request(**WITH_CACHE))
+    assert prefill_server.engine.preserved == [True, True, False, False, False, False]
 
 
 # --- the link routes never block the api_server's event loop (issue 9) ---------------------------------------

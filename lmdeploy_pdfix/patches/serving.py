@@ -6,7 +6,8 @@ never the scheduler session the Decode node must free. This patch records the se
 (``ServerContext.create_session``) and adds ``cache_session_id`` to the non-streaming body and to the stream
 chunk that carries ``cache_block_ids``. Public ids are unchanged. A request whose first token is a stop
 token (D8) gets a finished answer marked ``prefill_finished`` and its preserved session ended, instead of a
-500 that keeps the session. The node also answers
+500 that keeps the session. Only a Prefill node honours ``preserve_cache``: elsewhere a client could pin KV
+blocks that nothing evicts (D6) until the orphan TTL. The node also answers
 ``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
 
 The DistServe routes of the node (truthful frees, claims, audit) are the ``node_cache_routes`` unit; the
@@ -90,6 +91,10 @@ def _observing_outputs(original):
 def _reporting_owner(path: str, server_context):
     def make_endpoint(endpoint):
         async def endpoint_reporting_owner(*args, **kwargs):
+            raw_request = kwargs.get('raw_request')
+            if raw_request is not None and not _is_prefill(server_context):
+                # LMDeploy reads this very dict (Starlette caches the body): only a Prefill keeps caches for others
+                (await raw_request.json()).pop('preserve_cache', None)
             trace = _RequestTrace()
             token = _trace.set(trace)
             try:
@@ -109,6 +114,11 @@ def _reporting_owner(path: str, server_context):
         return endpoint_reporting_owner
 
     return make_endpoint
+
+
+def _is_prefill(server_context: Any) -> bool:
+    role = getattr(getattr(server_context.async_engine, 'backend_config', None), 'role', None)
+    return getattr(role, 'name', None) == 'Prefill'
 
 
 def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str, Any]:
