@@ -17,16 +17,16 @@ SIM_TOGGLE = 'LMDEPLOY_PDFIX_SIM'
 _TRUE = frozenset({'1', 'true', 'yes', 'on'})
 
 
-class Seconds:
-    """A duration switch, in seconds."""
+class Number:
+    """A numeric switch: a duration in seconds, or a whole count."""
 
     # a plain class: dataclasses cost milliseconds at every interpreter start-up
-    __slots__ = ('default', 'help', 'maximum', 'minimum', 'name', 'node', 'patches')
+    __slots__ = ('default', 'help', 'maximum', 'minimum', 'name', 'node', 'patches', 'whole')
 
     def __init__(self, name: str, default: float, *, minimum: float, maximum: float, node: str,
-                 patches: tuple[str, ...], help: str) -> None:
+                 patches: tuple[str, ...], help: str, whole: bool = False) -> None:
         self.name, self.default, self.minimum, self.maximum = name, default, minimum, maximum
-        self.node, self.patches, self.help = node, patches, help
+        self.node, self.patches, self.help, self.whole = node, patches, help, whole
 
     def problem(self) -> str | None:
         """Why the environment's value is unusable, or None (unset is fine: the default)."""
@@ -34,50 +34,58 @@ class Seconds:
         if not raw:
             return None
         try:
-            value = float(raw)
+            value = self._parse(raw)
         except ValueError:
-            return f'{self.name}={raw!r} is not a number of seconds'
+            return f'{self.name}={raw!r} is not ' + ('a whole number' if self.whole else 'a number of seconds')
         if not self.minimum <= value <= self.maximum:
-            return f'{self.name}={raw} is outside {self.minimum:g}..{self.maximum:g} s'
+            return f'{self.name}={raw} is outside {self.minimum:g}..{self.maximum:g}' + ('' if self.whole else ' s')
         return None
 
     def value(self) -> float:
         """The environment's value, or the default where it is unset or unusable."""
         if self.problem() is not None or not os.environ.get(self.name, '').strip():
             return self.default
-        return float(os.environ[self.name])
+        return self._parse(os.environ[self.name])
+
+    def _parse(self, raw: str) -> float:
+        return int(raw) if self.whole else float(raw)
 
 
 _DAY = 86_400.0
-GC_AGE_S = Seconds(
+GC_AGE_S = Number(
     'LMDEPLOY_PDFIX_GC_AGE_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='proxy', patches=('proxy_distserve',),
     help='age after which `POST /distserve/gc` releases a retained Prefill cache nobody migrated; well above '
          'the time a migration may sit in a queue')
-CONNECT_TIMEOUT_S = Seconds(
+CONNECT_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_CONNECT_TIMEOUT_S', 300.0, minimum=0.1, maximum=_DAY, node='proxy',
     patches=('proxy_connections',), help='how long a request waits for a Prefill/Decode link to come up')
-HEALTH_TIMEOUT_S = Seconds(
+HEALTH_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='proxy',
     patches=('proxy_heartbeat',),
     help="how long the heartbeat waits for a node's `/health`; a node that fails it is removed and registered "
          "again once it answers (the heartbeat's period stays LMDeploy's `LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION`, "
          '90 s)')
-ORPHAN_TTL_S = Seconds(
+ORPHAN_TTL_S = Number(
     'LMDEPLOY_PDFIX_ORPHAN_TTL_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill',
     patches=('engine_sessions',),
     help='a preserved Prefill cache nobody migrated, freed or claimed for this long is reclaimed (a claim '
          'restarts the clock, so a queued migration is never cut); keep it above the 300-480 s a migration may wait')
-MIGRATION_TIMEOUT_S = Seconds(
+MIGRATION_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', 120.0, minimum=0.1, maximum=_DAY, node='Decode',
     patches=('migration_faults',),
     help='a KV transfer not done by then fails its request; its blocks stay pinned until the transfer really ends')
-ZMQ_SEND_TIMEOUT_S = Seconds(
+ZMQ_SEND_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='Decode',
     patches=('engine_connections',),
     help='a free message the Prefill cannot take by then fails that request (the proxy then frees the cache)')
 
-DURATIONS: tuple[Seconds, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, MIGRATION_TIMEOUT_S,
-                                  ZMQ_SEND_TIMEOUT_S)
+MAX_PROMPTS = Number(
+    'LMDEPLOY_PDFIX_MAX_PROMPTS', 64, minimum=1, maximum=100_000, node='proxy', patches=('proxy_distserve',),
+    whole=True, help='most prompts one DistServe completions request may list (400 above it); each holds a Prefill '
+                     'cache until its Decode takes it, and at most 8 of one request are relayed at a time')
+
+NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, MIGRATION_TIMEOUT_S,
+                               ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS)
 
 
 def is_truthy(value: str | None) -> bool:
@@ -102,12 +110,12 @@ def disabled_patches() -> frozenset[str]:
 
 def problems() -> list[str]:
     """Every unusable value in the environment, one sentence each."""
-    return [problem for setting in DURATIONS if (problem := setting.problem()) is not None]
+    return [problem for setting in NUMBERS if (problem := setting.problem()) is not None]
 
 
 def problem_for(patch: str) -> str | None:
     """Why ``patch`` must stay stock because a switch it reads is unusable, or None."""
-    for setting in DURATIONS:
+    for setting in NUMBERS:
         problem = setting.problem() if patch in setting.patches else None
         if problem is not None:
             return f'{problem}; fix or unset it'

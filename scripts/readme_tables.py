@@ -21,7 +21,7 @@ def switch_rows() -> list[str]:
         'that requires one left out stays stock too; unknown names are reported) |',
     ]
     rows += [f'| `{setting.name}` ({setting.node}, default {setting.default:g}) | {setting.help} |'
-             for setting in settings.DURATIONS]
+             for setting in settings.NUMBERS]
     return rows
 
 

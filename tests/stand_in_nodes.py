@@ -46,6 +46,8 @@ class PrefillBook:
     requests: list[dict[str, Any]] = field(default_factory=list)
     invalid_frees: list[Any] = field(default_factory=list)
     owner_of_prompt: dict[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+    most_in_flight: int = 0
     _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
 
     def free(self, owner: Any) -> None:
@@ -103,7 +105,12 @@ def prefill_app(book: PrefillBook) -> FastAPI:
     async def prefill(request: Request, public_id: str):
         body = await request.json()
         book.requests.append(body)
-        await asyncio.sleep(book.delay_s)
+        book.in_flight += 1
+        book.most_in_flight = max(book.most_in_flight, book.in_flight)
+        try:
+            await asyncio.sleep(book.delay_s)
+        finally:
+            book.in_flight -= 1
         if book.answer == 'error':
             return JSONResponse({'error': {'message': 'prompt too long', 'code': 400}}, status_code=400)
         if book.answer == 'finished':  # the first token was a stop token: the Prefill ended the session itself

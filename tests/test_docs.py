@@ -47,4 +47,4 @@ def test_every_requirement_names_a_patch_listed_before_it() -> None:
 
 
 def test_every_switch_tunes_known_patches() -> None:
-    assert all(set(setting.patches) <= set(BY_NAME) for setting in settings.DURATIONS)
+    assert all(set(setting.patches) <= set(BY_NAME) for setting in settings.NUMBERS)

@@ -264,6 +264,22 @@ async def test_a_batch_of_prompts_answers_one_choice_per_prompt_in_order(distser
 
 
 @pytest.mark.regression
+async def test_a_prompt_list_above_the_cap_is_a_400_before_any_prefill_work(distserve: Cluster) -> None:
+    response = await distserve.post('/v1/completions', {**COMPLETION, 'prompt': ['p'] * 65})
+    assert response.status_code == 400 and 'At most 64 prompts' in response.json()['message']
+    assert distserve.prefill.requests == []
+
+
+@pytest.mark.regression
+async def test_a_long_prompt_list_is_relayed_a_few_prompts_at_a_time(distserve: Cluster) -> None:
+    distserve.prefill.delay_s = 0.05
+    response = await distserve.post('/v1/completions', {**COMPLETION, 'prompt': [str(i) for i in range(40)]})
+    assert response.status_code == 200 and len(response.json()['choices']) == 40
+    assert 1 < distserve.prefill.most_in_flight <= 8, 'one request pinned a Prefill cache per prompt at once'
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
 async def test_a_streamed_list_of_one_prompt_streams_that_prompt_and_leaves_nothing_open(distserve: Cluster) -> None:
     request = {**COMPLETION, 'prompt': ['a'], 'stream': True}
     async with httpx.AsyncClient(timeout=30) as client, \

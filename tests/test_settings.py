@@ -31,3 +31,13 @@ def test_an_unusable_value_reads_as_the_default_and_names_the_problem(monkeypatc
     assert settings.problems() == [problem]
     assert settings.problem_for('engine_sessions') == f'{problem}; fix or unset it'
     assert settings.problem_for('proxy_distserve') is None
+
+
+@pytest.mark.parametrize('raw, problem', [('6.5', "LMDEPLOY_PDFIX_MAX_PROMPTS='6.5' is not a whole number"),
+                                          ('0', 'LMDEPLOY_PDFIX_MAX_PROMPTS=0 is outside 1..100000')])
+def test_a_count_takes_whole_numbers_only(monkeypatch: pytest.MonkeyPatch, raw: str, problem: str) -> None:
+    monkeypatch.setenv(settings.MAX_PROMPTS.name, raw)
+    assert settings.MAX_PROMPTS.value() == 64 and settings.MAX_PROMPTS.problem() == problem
+    assert settings.problem_for('proxy_distserve') == f'{problem}; fix or unset it'
+    monkeypatch.setenv(settings.MAX_PROMPTS.name, '3')
+    assert settings.MAX_PROMPTS.value() == 3 and settings.problems() == []

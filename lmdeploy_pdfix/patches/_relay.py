@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.patching import lmdeploy_logger
@@ -39,6 +40,7 @@ RELEASE_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 PROBE_TIMEOUT_S = 5.0
+PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
 PROBE_TTL_S = {True: 60.0, False: 5.0}
@@ -189,6 +191,9 @@ def _unsupported(request_dict: dict[str, Any]) -> str | None:
         return 'n > 1 is not supported with the DistServe serving strategy.'
     if _is_batch(request_dict) and not request_dict['prompt']:
         return 'The prompt list is empty.'
+    if _is_batch(request_dict) and len(request_dict['prompt']) > settings.MAX_PROMPTS.value():
+        return (f'At most {settings.MAX_PROMPTS.value()} prompts per request with the DistServe serving strategy '
+                f'({settings.MAX_PROMPTS.name}).')
     if _is_batch(request_dict) and request_dict.get('stream') and len(request_dict['prompt']) > 1:
         return ('Streaming a list of prompts is not supported with the DistServe serving strategy; '
                 'use stream=false or send one prompt per request.')
@@ -414,8 +419,13 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
     singles = split_prompts(request_dict)
     if request_dict.get('stream'):  # a list of one prompt (longer ones are refused above): that prompt's stream
         return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), singles[0])
-    answers = await asyncio.gather(*(_relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), single)
-                                     for single in singles))
+    fan_out = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
+
+    async def relay_bounded(single: dict[str, Any]) -> JSONResponse | StreamingResponse:
+        async with fan_out:
+            return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), single)
+
+    answers = await asyncio.gather(*(relay_bounded(single) for single in singles))
     failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)
     if failed is not None:
         return failed  # every prompt's relay has settled its own cache already
