@@ -140,3 +140,22 @@ async def test_a_claim_the_engine_cannot_answer_is_a_503_not_a_500(
     rpc.fails = True
     response = await client.post(CLAIM_PATH, json={'owner': 1, 'block_ids': [1]})
     assert response.status_code == 503 and rpc.calls == [('pdfix_claim_preserved', (1, [1]))]
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('owner', [10 ** 40, -3], ids=['beyond 64 bits', 'negative'])
+async def test_a_free_of_an_id_that_cannot_be_an_owner_is_a_short_400_that_never_reaches_the_engine(
+        prefill_node: tuple[httpx.AsyncClient, EngineRpc], owner: int) -> None:
+    client, rpc = prefill_node
+    free = {'remote_engine_id': PREFILL, 'remote_session_id': owner}
+    response = await client.post('/distserve/free_cache', json=free)
+    assert response.status_code == 400 and rpc.calls == []
+
+
+@pytest.mark.regression
+async def test_a_free_the_engine_cannot_answer_is_a_503_not_a_500(
+        prefill_node: tuple[httpx.AsyncClient, EngineRpc]) -> None:
+    client, rpc = prefill_node
+    rpc.fails = True
+    response = await client.post('/distserve/free_cache', json={'remote_engine_id': PREFILL, 'remote_session_id': 5})
+    assert response.status_code == 503 and rpc.calls == [('pdfix_release_preserved', (5, 'freed'))]

@@ -30,6 +30,7 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from lmdeploy_pdfix.owner_ids import is_owner_id
 from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger, warn_once
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
@@ -108,13 +109,7 @@ def add_node_routes(router: Any, server_context: Any) -> None:
         except ValueError as exc:  # not JSON (json's error) or not a claim (ours)
             detail = str(exc) if isinstance(exc, MigrationRequestError) else 'the body is not JSON'
             return JSONResponse({'status': Verdict.REFUSED.value, 'detail': detail}, HTTPStatus.BAD_REQUEST)
-        try:
-            answer = await engine_call(server_context.async_engine, 'pdfix_claim_preserved', owner, block_ids)
-        except Exception as exc:  # the engine could not answer: the claim is undecided, not refused
-            lmdeploy_logger().warning(f'lmdeploy-pdfix: claim of {owner} failed in the engine: {exc!r}')
-            return JSONResponse({'status': 'unavailable', 'detail': 'the engine did not answer'},
-                                HTTPStatus.SERVICE_UNAVAILABLE)
-        return JSONResponse(answer, _CLAIM_STATUS[answer['status']])
+        return await _engine_answer(server_context, _CLAIM_STATUS, 'pdfix_claim_preserved', owner, block_ids)
 
     @router.get(AUDIT_PATH)
     async def pdfix_audit() -> dict[str, Any]:
@@ -123,13 +118,28 @@ def add_node_routes(router: Any, server_context: Any) -> None:
                 'linked_peers': sorted(NODE.linked_peers)}
 
 
+async def _engine_answer(server_context: Any, statuses: dict[str, int], method: str, *args: Any) -> JSONResponse:
+    """The book's answer to a free or a claim, with the HTTP status of its verdict (200 where ``statuses`` has
+    none); 503 when the engine cannot answer: the request is undecided, not refused."""
+    try:
+        answer = await engine_call(server_context.async_engine, method, *args)
+    except Exception as exc:
+        lmdeploy_logger().warning(f'lmdeploy-pdfix: {method} failed in the engine: {exc!r}')
+        return JSONResponse({'status': 'unavailable', 'detail': 'the engine did not answer'},
+                            HTTPStatus.SERVICE_UNAVAILABLE)
+    return JSONResponse(answer, statuses.get(answer['status'], HTTPStatus.OK))
+
+
 def free_cache_endpoint(server_context: Any):
     def make_endpoint(endpoint):
         # FastAPI reads the body model from LMDeploy's endpoint: swap_endpoint makes it this one's __wrapped__
         async def free_cache(cache_free_request) -> JSONResponse:
             owner = cache_free_request.remote_session_id
-            return JSONResponse(await engine_call(server_context.async_engine, 'pdfix_release_preserved', owner,
-                                                  ReleaseCause.FREED.value))
+            if not is_owner_id(owner):
+                return JSONResponse({'status': Verdict.REFUSED.value, 'detail': 'remote_session_id is not a cache '
+                                     'owner (a non-negative 64-bit integer)'}, HTTPStatus.BAD_REQUEST)
+            return await _engine_answer(server_context, {}, 'pdfix_release_preserved', owner,
+                                        ReleaseCause.FREED.value)
 
         return free_cache
 
