@@ -30,7 +30,7 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.serving',
         target='lmdeploy.serve.openai.api_server',
         summary=('Prefill answers name the internal session owning their cache (cache_session_id); a first token '
-                 'that stops the request answers 200 and ends its session'),
+                 'that stops the request answers 200 and ends its session; only a Prefill honours preserve_cache'),
     ),
     PatchSpec(
         name='node_cache_routes',
