@@ -161,8 +161,9 @@ class PreservedBook:
     def _stale(self, owner: int) -> Answer | None:
         if self.incarnation is None or incarnation_of(owner) == self.incarnation:
             return None
-        return Answer(Verdict.REFUSED, f'owner {owner} belongs to an earlier incarnation of this node (it was '
-                                       'restarted since); nothing released', counted_as='stale')
+        # answered as any unknown owner: a caller must not learn which incarnation numbers are right;
+        # the audit still counts it apart
+        return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node', counted_as='stale')
 
     def _remember_reclaim(self, owner: int) -> None:
         self._reclaimed[owner] = None

@@ -37,13 +37,15 @@ def test_a_session_that_is_not_a_preserved_cache_is_never_released() -> None:
     assert answer.verdict is Verdict.REFUSED and 'not a preserved cache' in answer.detail
 
 
-def test_an_owner_from_an_earlier_incarnation_is_refused_as_stale() -> None:
+def test_an_owner_from_an_earlier_incarnation_is_answered_as_unknown_and_counted_as_stale() -> None:
     book, _ = book_with_one_cache()
     stale = first_session_id(6) + 3
     answer = book.release(stale, ReleaseCause.FREED, session_exists=True)
-    assert answer.verdict is Verdict.REFUSED and 'earlier incarnation' in answer.detail
-    assert book.claim(stale, [4, 5]).verdict is Verdict.REFUSED
-    assert book.audit()['frees_not_released'] == {'stale': 1}
+    unknown = book.release(OWNER + 1, ReleaseCause.FREED, session_exists=False)
+    assert (answer.verdict, answer.detail) == (Verdict.NOT_FOUND, f'no preserved cache {stale} on this node')
+    assert (unknown.verdict, unknown.detail) == (Verdict.NOT_FOUND, f'no preserved cache {OWNER + 1} on this node')
+    assert book.claim(stale, [4, 5]).verdict is Verdict.NOT_FOUND
+    assert book.audit()['frees_not_released'] == {'stale': 1, 'unknown': 1}
 
 
 def test_orphans_expire_after_the_ttl_and_a_claim_restarts_it() -> None:
