@@ -60,7 +60,7 @@ class PrefillBook:
 
 @dataclass
 class DecodeBook:
-    answer: str = 'ok'  # ok | error | slow | dies (mid-stream)
+    answer: str = 'ok'  # ok | error | refuses (names the owner) | slow | dies (mid-stream)
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
 
@@ -152,6 +152,9 @@ def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
         if book.answer == 'error':
             return JSONResponse({'error': {'message': 'decode engine failed', 'code': 500}}, status_code=500)
         owner = migration.get('remote_session_id')
+        if book.answer == 'refuses':
+            message = f'migration_request refused: Prefill node: no preserved cache {owner} on this node'
+            return JSONResponse({'error': {'message': message, 'code': 404}}, status_code=404)
         if book.answer == 'slow' and await _abandoned(request, seconds=5):
             book.aborted.append(owner)  # as LMDeploy's endpoints do: poll for the client, abort when it left
             return JSONResponse({'error': 'aborted'}, status_code=499)

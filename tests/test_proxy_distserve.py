@@ -177,6 +177,16 @@ async def test_decode_failure_is_reported_and_the_prefill_cache_released(distser
 
 
 @pytest.mark.regression
+async def test_a_relayed_refusal_does_not_reveal_the_internal_owner_id(distserve: Cluster) -> None:
+    distserve.decode.answer = 'refuses'
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    owner = distserve.decode.migrations[0]['remote_session_id']
+    assert response.status_code == 404 and 'no preserved cache' in response.json()['message']
+    assert str(owner) not in response.text
+    assert distserve.prefill.retained == set()
+
+
+@pytest.mark.regression
 async def test_no_decode_node_is_a_503_before_any_prefill_work(distserve: Cluster) -> None:
     distserve.proxy.node_manager.remove(distserve.d_url)
     response = await distserve.post('/v1/completions', COMPLETION)

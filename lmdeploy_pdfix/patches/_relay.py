@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -92,7 +93,11 @@ class _Relay:
     def nodes(self):
         return self.proxy.node_manager
 
+    owner: int | None = None  # the internal cache owner, once the Prefill named it
+
     def error(self, status: HTTPStatus | int, message: str) -> JSONResponse:
+        if self.owner is not None:  # the client never saw the internal owner id; a relayed node message may name it
+            message = re.sub(rf'\b{self.owner}\b', '(the retained cache)', message)
         return self.proxy.create_error_response(status, message)
 
     def begin_call(self, url: str) -> float:
@@ -113,6 +118,7 @@ class _Relay:
 
     def hold(self, owner: int) -> None:
         """Open the books on the cache the Prefill node retained for this request."""
+        self.owner = owner
         self.record = self.ledger.open(owner, self.p_url, self.d_url)
 
     async def release(self, reason: str) -> None:
