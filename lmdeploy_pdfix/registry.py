@@ -33,13 +33,6 @@ PATCHES: tuple[PatchSpec, ...] = (
                  'that stops the request answers 200 and ends its session; only a Prefill honours preserve_cache'),
     ),
     PatchSpec(
-        name='node_cache_routes',
-        module='lmdeploy_pdfix.patches.node_cache_routes',
-        target='lmdeploy.serve.openai.endpoints.distserve',
-        summary=('/distserve/free_cache releases only preserved caches and says what it did; claims and the node '
-                 'audit'),
-    ),
-    PatchSpec(
         name='decode_migration_checks',
         module='lmdeploy_pdfix.patches.decode_checks',
         target='lmdeploy.serve.openai.api_server',
@@ -88,6 +81,16 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.engine',
         target='lmdeploy.pytorch.engine.engine',
         summary='Preserved Prefill caches: cancel-safe, never evicted, released only as themselves, reclaimed by TTL',
+    ),
+    PatchSpec(
+        name='node_cache_routes',
+        module='lmdeploy_pdfix.patches.node_cache_routes',
+        target='lmdeploy.serve.openai.endpoints.distserve',
+        summary=('/distserve/free_cache releases only preserved caches and says what it did; claims and the node '
+                 'audit'),
+        # they answer from the book of preserved caches, which engine_sessions keeps in the engine process (the
+        # same code and switches as here): without it they would answer from nothing
+        requires=('engine_sessions',),
     ),
     PatchSpec(
         name='migration_faults',

@@ -7,16 +7,16 @@ says so: ``released``, ``not_found`` or ``refused``, each definitive. ``POST /di
 Decode node confirm a cache before it migrates it, and ``GET /distserve/pdfix/audit`` shows the book. The
 handlers are in :mod:`lmdeploy_pdfix.patches._node_routes`.
 
-The book lives in the engine process, which runs the same code with the same switches; where
-``engine_sessions`` does not apply, the node keeps LMDeploy's free and serves no claims (its capability
-route says so), rather than answering from an empty book.
+The book lives in the engine process, which runs the same code with the same switches: this unit requires
+``engine_sessions`` in its own process, and where that does not apply the node keeps LMDeploy's free and serves
+no claims (``status`` and the capability route say so), rather than answering from an empty book.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from lmdeploy_pdfix.patches._node_routes import add_node_routes, engine_book_available, free_cache_endpoint
+from lmdeploy_pdfix.patches._node_routes import add_node_routes, free_cache_endpoint
 from lmdeploy_pdfix.patches._routes import swap_endpoint
 from lmdeploy_pdfix.patching import Patch, signature_problem
 from lmdeploy_pdfix.protocol import FREE_PATH
@@ -27,9 +27,8 @@ DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'
 def _adding_cache_routes(original):
     def register(router, server_context):
         original(router, server_context)
-        if engine_book_available():
-            swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
-            add_node_routes(router, server_context)
+        swap_endpoint(router.routes, FREE_PATH, free_cache_endpoint(server_context))
+        add_node_routes(router, server_context)
 
     return register
 
