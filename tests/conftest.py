@@ -18,6 +18,8 @@ import pytest
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix._bootstrap import load_patch
 from lmdeploy_pdfix.registry import BY_NAME
+from tests.servers import serving
+from tests.stand_in_nodes import Cluster, DecodeBook, PrefillBook, decode_app, prefill_app
 
 STOCK = os.environ.get('PDFIX_TESTS_STOCK') == '1'
 
@@ -45,3 +47,31 @@ def apply_patch() -> Iterator[Callable[[str], ModuleType]]:
     yield apply
     for patch in reversed(applied):
         patch.revert()
+
+
+@pytest.fixture(scope='session')
+def stand_in_cluster() -> Iterator[Cluster]:
+    """The proxy app served once per session: LMDeploy's connection pool keeps an HTTP session bound to the
+    event loop of the first server that used it, so a second server of the same app would hang on it."""
+    proxy = importlib.import_module('lmdeploy.serve.proxy.proxy')  # the package re-exports a function 'proxy'
+    proxy.node_manager.cache_status = False  # never write proxy_config.json into site-packages
+    prefill, decode = PrefillBook(), DecodeBook()
+    with serving(prefill_app(prefill)) as p_url, serving(decode_app(decode, prefill)) as d_url, \
+            serving(proxy.app) as url:
+        yield Cluster(proxy, url, p_url, d_url, prefill, decode)
+
+
+@pytest.fixture
+def distserve(stand_in_cluster: Cluster, apply_patch: Callable[[str], ModuleType]) -> Iterator[Cluster]:
+    """The stand-in cluster in DistServe mode, patched (unless STOCK), its books empty, both nodes registered."""
+    nodes = stand_in_cluster.proxy.node_manager
+    strategy = nodes.serving_strategy
+    nodes.serving_strategy = stand_in_cluster.proxy.ServingStrategy.DistServe
+    apply_patch('proxy_distserve')
+    apply_patch('proxy_connections')
+    stand_in_cluster.reset()
+    stand_in_cluster.register('Prefill')
+    stand_in_cluster.register('Decode')
+    yield stand_in_cluster
+    nodes.nodes.clear()
+    nodes.serving_strategy = strategy

@@ -10,8 +10,10 @@ import asyncio
 import itertools
 import json
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy.pytorch.disagg.config import DistServeEngineConfig
@@ -184,3 +186,35 @@ async def _events(text: str, die: bool = False):
         if die:
             raise RuntimeError('the Decode engine died')  # the connection breaks mid-stream
     yield 'data: [DONE]\n\n'
+
+
+@dataclass
+class Cluster:
+    """The real proxy app over real HTTP to a stand-in Prefill and Decode node."""
+
+    proxy: ModuleType
+    url: str
+    p_url: str
+    d_url: str
+    prefill: PrefillBook
+    decode: DecodeBook
+
+    def reset(self) -> None:
+        self.prefill.__init__()
+        self.decode.__init__()
+
+    def register(self, role: str) -> None:
+        roles = self.proxy.EngineRole
+        url = self.p_url if role == 'Prefill' else self.d_url
+        self.proxy.node_manager.add(url, self.proxy.Status(role=getattr(roles, role), models=[MODEL]))
+
+    async def post(self, path: str, body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await client.post(self.url + path, json=body)
+
+
+async def audit(cluster: Cluster) -> dict:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.get(cluster.url + '/distserve/pdfix/audit')
+    assert response.status_code == 200, response.text
+    return response.json()

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmdeploy_pdfix.protocol import CHAT_PATH, CLAIM_PATH, COMPLETIONS_PATH, FREE_PATH
+from tests.stand_in_nodes import MODEL, Cluster, audit
 from tests.test_node_input import EngineRpc, node_client
-from tests.test_proxy_distserve import MODEL, Cluster, audit, cluster, distserve  # noqa: F401 (fixtures)
 from tests.test_serving_owner import FakePrefillEngine
 
 pytestmark = pytest.mark.filterwarnings('ignore::hypothesis.errors.HypothesisWarning')  # the cluster's long repr
@@ -96,20 +96,15 @@ def test_any_migration_request_is_answered_below_500(node, body: Any) -> None:
     assert post(COMPLETIONS_PATH, {'model': MODEL, 'max_completion_tokens': 1, 'prompt': 'hi', **body}) < 500
 
 
-@pytest.fixture
-def proxy(request: pytest.FixtureRequest) -> Cluster:
-    """The real proxy app, patched, over real HTTP to a stand-in Prefill and Decode node."""
-    return request.getfixturevalue('distserve')
-
-
 @FUZZ
 @given(body=proxy_requests, path=st.sampled_from([COMPLETIONS_PATH, CHAT_PATH]))
-def test_any_proxy_request_is_answered_below_500_and_leaves_no_cache(proxy: Cluster, body: Any, path: str) -> None:
+def test_any_proxy_request_is_answered_below_500_and_leaves_no_cache(distserve: Cluster, body: Any,
+                                                                      path: str) -> None:
     async def send() -> tuple[int, dict[str, Any]]:
         async with httpx.AsyncClient(timeout=30) as client:
-            response = await client.post(proxy.url + path, json={'model': MODEL, **body})
-            return response.status_code, await audit(proxy)
+            response = await client.post(distserve.url + path, json={'model': MODEL, **body})
+            return response.status_code, await audit(distserve)
 
     status, books = asyncio.run(send())
     assert status < 500, body
-    assert proxy.prefill.retained == set() and books['open'] == 0, body
+    assert distserve.prefill.retained == set() and books['open'] == 0, body

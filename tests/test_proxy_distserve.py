@@ -1,13 +1,10 @@
-"""The real LMDeploy proxy app, in DistServe mode, over real HTTP to stand-in Prefill and Decode nodes."""
+"""The real LMDeploy proxy app, in DistServe mode, over real HTTP to stand-in Prefill and Decode nodes
+(the ``distserve`` fixture of ``conftest.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
-from types import ModuleType
 
 import httpx
 import pytest
@@ -17,63 +14,15 @@ from tests.stand_in_nodes import (
     BLOCK_IDS,
     FIRST_TOKEN,
     MODEL,
-    DecodeBook,
+    Cluster,
     PrefillBook,
-    decode_app,
+    audit,
     decoded_text,
     prefill_app,
 )
 
 CHAT = {'model': MODEL, 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 8}
 COMPLETION = {'model': MODEL, 'prompt': 'hi', 'max_tokens': 8}
-
-
-@dataclass
-class Cluster:
-    proxy: ModuleType
-    url: str
-    p_url: str
-    d_url: str
-    prefill: PrefillBook
-    decode: DecodeBook
-
-    def reset(self) -> None:
-        self.prefill.__init__()
-        self.decode.__init__()
-
-    def register(self, role: str) -> None:
-        roles = self.proxy.EngineRole
-        url = self.p_url if role == 'Prefill' else self.d_url
-        self.proxy.node_manager.add(url, self.proxy.Status(role=getattr(roles, role), models=[MODEL]))
-
-    async def post(self, path: str, body: dict) -> httpx.Response:
-        async with httpx.AsyncClient(timeout=30) as client:
-            return await client.post(self.url + path, json=body)
-
-
-@pytest.fixture(scope='module')
-def cluster() -> Iterator[Cluster]:
-    proxy = importlib.import_module('lmdeploy.serve.proxy.proxy')  # the package re-exports a function 'proxy'
-    prefill, decode = PrefillBook(), DecodeBook()
-    nodes = proxy.node_manager
-    nodes.cache_status = False  # never write proxy_config.json into site-packages
-    strategy = nodes.serving_strategy
-    nodes.serving_strategy = proxy.ServingStrategy.DistServe
-    with serving(prefill_app(prefill)) as p_url, serving(decode_app(decode, prefill)) as d_url, \
-            serving(proxy.app) as url:
-        yield Cluster(proxy, url, p_url, d_url, prefill, decode)
-    nodes.nodes.clear()
-    nodes.serving_strategy = strategy
-
-
-@pytest.fixture
-def distserve(cluster: Cluster, apply_patch) -> Cluster:
-    apply_patch('proxy_distserve')
-    apply_patch('proxy_connections')
-    cluster.reset()
-    cluster.register('Prefill')
-    cluster.register('Decode')
-    return cluster
 
 
 def text_of(response: httpx.Response) -> str:
@@ -220,13 +169,6 @@ async def test_an_unfixed_prefill_node_is_refused_with_the_fix_before_any_work(d
     assert response.status_code == 503
     assert 'LMDEPLOY_PDFIX=1' in response.json()['message']
     assert unfixed.requests == [] and distserve.decode.migrations == []
-
-
-async def audit(cluster: Cluster) -> dict:
-    async with httpx.AsyncClient(timeout=30) as client:
-        response = await client.get(cluster.url + '/distserve/pdfix/audit')
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 @pytest.mark.regression
