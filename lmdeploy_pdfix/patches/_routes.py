@@ -45,6 +45,19 @@ def swap_endpoint(routes: list[Any], path: str, make_endpoint: Callable[[Any], A
     return route
 
 
+def swapping_after_register(path: str, endpoint_for: Callable[[Any], Callable[[Any], Any]]):
+    """A wrapper maker for a module's ``register(router, server_context)``: once LMDeploy registered its routes,
+    the POST route at ``path`` serves ``endpoint_for(server_context)(LMDeploy's endpoint)``."""
+    def make_register(original):
+        def register(router, server_context):
+            original(router, server_context)
+            swap_endpoint(router.routes, path, endpoint_for(server_context))
+
+        return register
+
+    return make_register
+
+
 def restore_route(routes: list[Any], original: APIRoute) -> None:
     """Put ``original`` back in place of the route :func:`swap_endpoint` made from it."""
     for index, route in enumerate(routes):

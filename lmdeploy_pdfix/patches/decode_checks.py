@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.patches._node_routes import checked_migration, forget_link, record_link
-from lmdeploy_pdfix.patches._routes import rewritten_answer, swap_endpoint
+from lmdeploy_pdfix.patches._routes import rewritten_answer, swapping_after_register
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.protocol import CHAT_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
 
@@ -53,17 +53,10 @@ def _with_dummy_mark(event: dict[str, Any]) -> dict[str, Any]:
     return {**event, DUMMY_PREFILL_FIELD: True}
 
 
-def _registering_checks(path: str):
-    def make_register(original):
-        def register(router, server_context):
-            original(router, server_context)
-            make_error = importlib.import_module(ERRORS_MODULE).create_error_response
-            model = importlib.import_module(PROTOCOL_MODULE).MigrationRequest
-            swap_endpoint(router.routes, path, _checking_migration(make_error, model.model_validate))
-
-        return register
-
-    return make_register
+def _migration_checks(server_context: Any):
+    make_error = importlib.import_module(ERRORS_MODULE).create_error_response
+    model = importlib.import_module(PROTOCOL_MODULE).MigrationRequest
+    return _checking_migration(make_error, model.model_validate)
 
 
 def _noting(original, note):
@@ -103,7 +96,7 @@ class DecodeMigrationChecksPatch(Patch):
         self.wrap(engine, 'p2p_initialize', lambda original: _noting(original, record_link))
         self.wrap(engine, 'p2p_drop_connect', lambda original: _noting(original, forget_link))
         for name, path in ENDPOINT_MODULES.items():
-            self.wrap(importlib.import_module(name), 'register', _registering_checks(path))
+            self.wrap(importlib.import_module(name), 'register', swapping_after_register(path, _migration_checks))
 
 
 PATCH = DecodeMigrationChecksPatch()

@@ -27,7 +27,12 @@ import shortuuid
 from lmdeploy_pdfix import __version__
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
 from lmdeploy_pdfix.patches._node_routes import release_cache
-from lmdeploy_pdfix.patches._routes import each_transformed, find_post_route, rewritten_answer, swap_endpoint
+from lmdeploy_pdfix.patches._routes import (
+    each_transformed,
+    find_post_route,
+    rewritten_answer,
+    swapping_after_register,
+)
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.preserved import ReleaseCause
 from lmdeploy_pdfix.protocol import (
@@ -158,17 +163,6 @@ def _adding_capabilities(original):
     return register
 
 
-def _registering_owner_routes(path: str):
-    def make_register(original):
-        def register(router, server_context):
-            original(router, server_context)
-            swap_endpoint(router.routes, path, _reporting_owner(path, server_context))
-
-        return register
-
-    return make_register
-
-
 class ServingCacheOwnerPatch(Patch):
     name = 'serving_cache_owner'
     target = 'lmdeploy.serve.openai.api_server'
@@ -198,7 +192,8 @@ class ServingCacheOwnerPatch(Patch):
         engine = importlib.import_module(ASYNC_ENGINE_MODULE).AsyncEngine
         self.wrap(engine, 'generate', _observing_outputs)
         for name, path in ENDPOINT_MODULES.items():
-            self.wrap(importlib.import_module(name), 'register', _registering_owner_routes(path))
+            self.wrap(importlib.import_module(name), 'register',
+                      swapping_after_register(path, lambda context, path=path: _reporting_owner(path, context)))
         self.wrap(importlib.import_module(DISTSERVE_MODULE), 'register', _adding_capabilities)
 
 
