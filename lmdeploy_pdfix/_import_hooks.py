@@ -22,12 +22,16 @@ _lock = _thread.RLock()
 _pending: dict[str, list[ImportCallback]] = {}
 
 
-def when_imported(module_name: str, callback: ImportCallback) -> None:
-    """Call ``callback(module)`` once ``module_name`` is imported; now if it already is."""
+def when_imported(module_name: str, callback: ImportCallback, first: bool = False) -> None:
+    """Call ``callback(module)`` once ``module_name`` is imported; now if it already is.
+
+    Callbacks run in registration order; ``first`` puts this one ahead of those already registered.
+    """
     with _lock:
         module = sys.modules.get(module_name)
         if module is None or _is_initialising(module):
-            _pending.setdefault(module_name, []).append(callback)
+            callbacks = _pending.setdefault(module_name, [])
+            callbacks.insert(0 if first else len(callbacks), callback)
             _ensure_finder_installed()
             return
     callback(module)

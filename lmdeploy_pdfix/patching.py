@@ -101,8 +101,7 @@ class Patch:
         self.state = PatchState.REFUSED
         self.reason = reason
         if first_time:
-            lmdeploy_logger().warning(
-                'lmdeploy-pdfix: patch %r not applied, LMDeploy left stock for it: %s', self.name, reason)
+            warn(f'patch {self.name!r} not applied, LMDeploy left stock for it: {reason}')
 
 
 _warned: set[str] = set()
@@ -112,7 +111,16 @@ def warn_once(key: str, message: str) -> None:
     """Log ``message`` as LMDeploy's logger would, the first time ``key`` is warned about in this process."""
     if key not in _warned:
         _warned.add(key)
-        lmdeploy_logger().warning('lmdeploy-pdfix: %s', message)
+        warn(message)
+
+
+def warn(message: str) -> None:
+    """Log ``message`` as a WARNING of LMDeploy's logger.
+
+    That logger drops a WARNING whose unformatted text it has shown before (its ``FilterDuplicateWarning``), so
+    the message is formatted here: two refusals with different reasons are both shown.
+    """
+    lmdeploy_logger().warning(f'lmdeploy-pdfix: {message}')
 
 
 def lmdeploy_logger() -> logging.Logger:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lmdeploy_pdfix._bootstrap import load_patch
 from lmdeploy_pdfix.registry import ENTRY_POINT_GROUP, PATCHES
+from lmdeploy_pdfix.sim.misshape import misshapen_target
 
 TARGET = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
 
@@ -228,42 +228,36 @@ def test_an_unknown_name_in_the_disable_list_is_reported(tmp_path: Path) -> None
     assert any('names no patch called engine_session' in line for line in logged(result))
 
 
-# What each unit's guard is shown a misshapen copy of: its first declared wrap, where that is a function.
-MISSHAPEN = {spec.name: next(entry for entry in load_patch(spec).wraps if not entry.endswith('.routes'))
-             for spec in PATCHES if spec.name != 'proxy_distserve'}
-MISSHAPEN['proxy_distserve'] = 'lmdeploy.serve.proxy.proxy:NodeManager.get_node_url'
-
-
-@pytest.mark.parametrize('unit', sorted(MISSHAPEN))
+@pytest.mark.parametrize('unit', sorted(spec.name for spec in PATCHES))
 def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_applied(tmp_path: Path, unit: str) -> None:
-    # A passthrough with another signature stands in for what LMDeploy might rename or reshape upstream.
-    module_name, path = MISSHAPEN[unit].split(':')
-    *parents, attribute = path.split('.')
+    module_name, path = misshapen_target(unit).split(':')
+    attribute, *parents = reversed(path.split('.'))
     code = textwrap.dedent(f"""
         import importlib, json
         import lmdeploy.pytorch.engine.engine  # LMDeploy's own import order: engine_conn alone is circular
-        owner = importlib.import_module({module_name!r})
-        for name in {parents!r}:
-            owner = getattr(owner, name)
-        original = getattr(owner, {attribute!r})
-        def misshapen(*args, **kwargs):
-            return original(*args, **kwargs)
-        setattr(owner, {attribute!r}, misshapen)
+        from lmdeploy_pdfix.sim.misshape import misshape, owner_of
+        module = importlib.import_module({module_name!r})
+        misshapen = misshape(module, {path!r})
         import lmdeploy_pdfix
         lmdeploy_pdfix.install()
         from lmdeploy_pdfix.cli import status_report
         rows = status_report()['patches']
+        owner, attribute = owner_of(module, {path!r})
         print(json.dumps({{'states': {{row['name']: row['state'] for row in rows}},
                            'reasons': {{row['name']: row['reason'] for row in rows}},
-                           'untouched': getattr(owner, {attribute!r}) is misshapen}}))
+                           'untouched': getattr(owner, attribute) is misshapen}}))
     """)
-    report = last_json(run_python(code, tmp_path))
+    result = run_python(code, tmp_path)
+    report = last_json(result)
     dependants = {spec.name for spec in PATCHES if unit in spec.requires}
     refused = {name for name, state in report['states'].items() if state != 'applied'}
     assert unit in refused and report['untouched'], f'{unit} wrapped what its guard refused'
     assert all(report['reasons'][name].startswith(f'requires {unit}') for name in dependants)
     # besides its dependants, only units whose own guard reads the same LMDeploy object may refuse with it
-    named = (attribute, *parents[-1:])
+    named = (attribute, *parents[:1])
     assert {name for name in refused - {unit} - dependants
             if not any(word in report['reasons'][name] for word in named)} == set(), report['reasons']
     assert {report['states'][name] for name in refused} == {'refused'}
+    # every refusal reaches the operator's log, not only the first (LMDeploy's logger drops repeated warnings)
+    assert {name for name in refused if not any(f'patch {name!r} not applied' in line for line in logged(result))
+            } == set()

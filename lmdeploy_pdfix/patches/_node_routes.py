@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lmdeploy_pdfix.owner_ids import is_owner_id
-from lmdeploy_pdfix.patching import PatchState, lmdeploy_logger, warn_once
+from lmdeploy_pdfix.patching import PatchState, warn, warn_once
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
@@ -124,7 +124,7 @@ async def _engine_answer(server_context: Any, statuses: dict[str, int], method: 
     try:
         answer = await engine_call(server_context.async_engine, method, *args)
     except Exception as exc:
-        lmdeploy_logger().warning(f'lmdeploy-pdfix: {method} failed in the engine: {exc!r}')
+        warn(f'{method} failed in the engine: {exc!r}')
         return JSONResponse({'status': 'unavailable', 'detail': 'the engine did not answer'},
                             HTTPStatus.SERVICE_UNAVAILABLE)
     return JSONResponse(answer, statuses.get(answer['status'], HTTPStatus.OK))

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
-from lmdeploy_pdfix.patching import lmdeploy_logger
+from lmdeploy_pdfix.patching import lmdeploy_logger, warn
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
@@ -61,8 +61,7 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
             problem = f'HTTP {response.status}'
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         problem = repr(exc)
-    lmdeploy_logger().warning(f'lmdeploy-pdfix: releasing Prefill session {owner} on {p_url} ({reason}) '
-                              f'failed: {problem}')
+    warn(f'releasing Prefill session {owner} on {p_url} ({reason}) failed: {problem}')
     return False
 
 

@@ -31,8 +31,8 @@ from lmdeploy_pdfix.patching import (
     Patch,
     attribute_problem,
     first_problem,
-    lmdeploy_logger,
     signature_problem,
+    warn,
 )
 from lmdeploy_pdfix.preserved import Answer, ReleaseCause, Verdict
 
@@ -62,8 +62,8 @@ def reclaim_orphans(engine: Any) -> list[int]:
     reclaimed = [owner for owner in book.expired()
                  if release_preserved(engine, owner, ReleaseCause.RECLAIMED).verdict is Verdict.RELEASED]
     if reclaimed:
-        lmdeploy_logger().warning('lmdeploy-pdfix: reclaimed %d preserved Prefill cache(s) nobody took within '
-                                  '%g s: %s', len(reclaimed), book.orphan_ttl_s, reclaimed)
+        warn(f'reclaimed {len(reclaimed)} preserved Prefill cache(s) nobody took within {book.orphan_ttl_s:g} s: '
+             f'{reclaimed}')
     return reclaimed
 
 
@@ -131,8 +131,7 @@ async def _reclaim_periodically(engine: Any) -> None:
         try:
             reclaim_orphans(engine)
         except Exception as exc:  # one bad pass must not end reclamation for good, unlogged
-            lmdeploy_logger().warning(f'lmdeploy-pdfix: reclaiming orphaned Prefill caches failed, retried in '
-                                      f'{interval:g} s: {exc!r}')
+            warn(f'reclaiming orphaned Prefill caches failed, retried in {interval:g} s: {exc!r}')
 
 
 # --- D9: only plain-KV models are served disaggregated ----------------------------------------------------------

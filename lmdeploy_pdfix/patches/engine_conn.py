@@ -35,6 +35,7 @@ from lmdeploy_pdfix.patching import (
     innermost,
     lmdeploy_logger,
     signature_problem,
+    warn,
 )
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 
@@ -113,7 +114,7 @@ async def _next_free(receiver: Any, remote_engine_id: str, free_request: Any, in
         # JSON, then LMDeploy's schema, as LMDeploy validates it
         return free_request.model_validate(await receiver.recv_json()).remote_session_id
     except (ValueError, invalid) as exc:
-        lmdeploy_logger().warning('lmdeploy-pdfix: invalid free request from %s skipped: %s', remote_engine_id, exc)
+        warn(f'invalid free request from {remote_engine_id} skipped: {exc}')
         return None
 
 

@@ -41,6 +41,7 @@ from lmdeploy_pdfix.patching import (
     first_problem,
     lmdeploy_logger,
     signature_problem,
+    warn,
 )
 
 MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
@@ -105,8 +106,8 @@ async def _free_prefill_cache(loop: Any, msg: Any) -> None:
         await loop.engine_conn.zmq_send(remote_engine_id=request.remote_engine_id,
                                         remote_session_id=request.remote_session_id)
     except Exception as exc:  # the proxy frees it too, when its request fails; the orphan TTL as a last resort
-        lmdeploy_logger().warning('lmdeploy-pdfix: freeing Prefill session %s of aborted Decode session %s '
-                                  'failed: %r', request.remote_session_id, msg.session_id, exc)
+        warn(f'freeing Prefill session {request.remote_session_id} of aborted Decode session {msg.session_id} '
+             f'failed: {exc!r}')
 
 
 async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailure | None:
@@ -150,9 +151,8 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
         if done in _ABANDONED:
             _ABANDONED.discard(done)
             error = None if done.cancelled() else done.exception()
-            lmdeploy_logger().warning('lmdeploy-pdfix: the migration of Decode session %s given up on has ended '
-                                      '(%s); its %d blocks are free again', session_id,
-                                      repr(error) if error else 'no error', len(blocks))
+            warn(f'the migration of Decode session {session_id} given up on has ended '
+                 f'({repr(error) if error else "no error"}); its {len(blocks)} blocks are free again')
 
     transfer.add_done_callback(release)
 

@@ -19,8 +19,8 @@ from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patching import (
     Patch,
     first_problem,
-    lmdeploy_logger,
     signature_problem,
+    warn,
 )
 
 HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
@@ -68,15 +68,14 @@ def _heartbeat(removed: RemovedNodes):
                 if not health[url] and self.nodes.get(url) is status:  # not re-registered meanwhile
                     self.remove(url)
                     removed.remember(url, status)
-                    lmdeploy_logger().warning('lmdeploy-pdfix: removed node %s (no healthy answer within %g s); it is '
-                                      'registered again once it answers', url, HEALTH_TIMEOUT_S)
+                    warn(f'removed node {url} (no healthy answer within {HEALTH_TIMEOUT_S:g} s); it is registered '
+                         'again once it answers')
             for url, status in gone.items():
                 if url in self.nodes:  # it registered anew meanwhile (a restart)
                     removed.forget(url)
                 elif health[url]:
                     self.add(url, status.model_copy(update={'unfinished': 0}))  # forgets it: add removes first
-                    lmdeploy_logger().warning('lmdeploy-pdfix: node %s answers again; registered again as %s', url,
-                                      getattr(status.role, 'name', status.role))
+                    warn(f"node {url} answers again; registered again as {getattr(status.role, 'name', status.role)}")
 
         return remove_stale_nodes_by_expiration
 

@@ -13,6 +13,7 @@ import threading
 from types import ModuleType
 
 from lmdeploy_pdfix._import_hooks import when_imported
+from lmdeploy_pdfix.sim import misshape
 
 # module watched → name of the function in lmdeploy_pdfix.sim.hooks that substitutes in it
 _SUBSTITUTIONS = {
@@ -43,6 +44,7 @@ def activate() -> None:
         if _activated:
             return
         _activated = True
+    misshape.activate()
     for module_name, hook_name in _SUBSTITUTIONS.items():
         when_imported(module_name, lambda module, hook_name=hook_name: _substitute(hook_name, module))
 
