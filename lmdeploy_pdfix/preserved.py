@@ -4,6 +4,11 @@ A Prefill session whose request asked to preserve its cache stays in the schedul
 Decode node migrates it (and frees it over ZMQ), the proxy frees it (``/distserve/free_cache``), or nobody
 does and the orphan TTL reclaims it. The book knows which sessions those are, gives every free and every
 claim a definitive answer, and counts each outcome for the node audit. No patching here.
+
+A Decode's claim is a lease: until that Decode frees the cache (its migration ended: copied, failed or given
+up on) or the lease runs out, nothing else releases it. A free meanwhile (the proxy compensating, its gc) is
+deferred to the lease's end, and the orphan TTL waits for it too, so a migration that sat in a queue never
+copies blocks already handed to other work.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ class Verdict(str, enum.Enum):
     NOT_FOUND = 'not_found'
     RECLAIMED = 'reclaimed'  # the orphan TTL released it; a late Decode must not read its blocks
     REFUSED = 'refused'
+    DEFERRED = 'deferred'  # a claimed migration holds it: released when that migration ends, or its lease does
 
 
 class ReleaseCause(str, enum.Enum):
-    MIGRATED = 'migrated'  # the Decode node copied it and freed it over ZMQ
-    FREED = 'freed'  # /distserve/free_cache (the proxy compensating a failure)
-    RECLAIMED = 'reclaimed'  # nobody migrated or freed it within the orphan TTL
+    DECODE_FREED = 'decode_freed'  # its Decode node freed it over ZMQ once the migration ended (copied or failed)
+    FREED = 'freed'  # /distserve/free_cache (the proxy compensating a failure, or its gc)
+    RECLAIMED = 'reclaimed'  # nobody claimed or freed it within the orphan TTL, or its claim's lease ran out
     CANCELLED = 'cancelled'  # its request was aborted before the cache was handed out
 
 
@@ -52,14 +58,18 @@ class PreservedCache:
     owner: int
     block_ids: tuple[int, ...]
     preserved_at: float
-    touched_at: float  # preservation or the latest claim: the orphan TTL counts from here
+    held_until: float  # the end of the orphan TTL, or of the latest claim's lease: reclaimed after it
+    claimed: bool = False
+    free_deferred: bool = False  # freed while a claim held it: released as freed when the lease ends
 
 
 class PreservedBook:
 
     def __init__(self, orphan_ttl_s: float = settings.ORPHAN_TTL_S.default,
+                 claim_hold_s: float = settings.CLAIM_LEASE_S.default,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.orphan_ttl_s = orphan_ttl_s
+        self.claim_hold_s = claim_hold_s
         self._clock = clock
         self._caches: dict[int, PreservedCache] = {}
         self._reclaimed: OrderedDict[int, None] = OrderedDict()
@@ -74,7 +84,8 @@ class PreservedBook:
         now = self._clock()
         if self.incarnation is None:
             self.incarnation = incarnation_of(owner)
-        self._caches[owner] = PreservedCache(owner, tuple(block_ids), preserved_at=now, touched_at=now)
+        self._caches[owner] = PreservedCache(owner, tuple(block_ids), preserved_at=now,
+                                             held_until=now + self.orphan_ttl_s)
 
     def is_preserved(self, owner: int) -> bool:
         return owner in self._caches
@@ -85,9 +96,11 @@ class PreservedBook:
 
     def release(self, owner: int, cause: ReleaseCause, *, session_exists: bool) -> Answer:
         """Whether ``owner``'s session may be ended for ``cause``: only RELEASED allows it."""
-        answer = self._judge_release(owner, session_exists)
+        answer = self._judge_release(owner, cause, session_exists)
         if answer.verdict is Verdict.RELEASED:
-            del self._caches[owner]
+            cache = self._caches.pop(owner)
+            if cause is ReleaseCause.RECLAIMED and cache.free_deferred:
+                cause = ReleaseCause.FREED  # what its lease held back
             self.releases[cause.value] += 1
             if cause is ReleaseCause.RECLAIMED:
                 self._remember_reclaim(owner)
@@ -102,9 +115,9 @@ class PreservedBook:
         return answer
 
     def expired(self) -> list[int]:
-        """Owners nobody migrated, freed or claimed within the orphan TTL."""
-        deadline = self._clock() - self.orphan_ttl_s
-        return [cache.owner for cache in self._caches.values() if cache.touched_at < deadline]
+        """Owners nobody claimed or freed within the orphan TTL, and those whose claim's lease ran out."""
+        now = self._clock()
+        return [cache.owner for cache in self._caches.values() if cache.held_until < now]
 
     def migration_failed(self, reason: str) -> None:
         self.migration_failures[reason] += 1
@@ -117,6 +130,7 @@ class PreservedBook:
         ages = [now - cache.preserved_at for cache in self._caches.values()]
         return {
             'preserved': len(ages),
+            'claimed': sum(cache.claimed for cache in self._caches.values()),
             'preserved_by_age_s': _by_age(ages),
             'oldest_age_s': round(max(ages, default=0.0), 3),
             'orphan_ttl_s': self.orphan_ttl_s,
@@ -127,8 +141,13 @@ class PreservedBook:
             'migrations_aborted': self.migrations_aborted,
         }
 
-    def _judge_release(self, owner: int, session_exists: bool) -> Answer:
-        if owner in self._caches:
+    def _judge_release(self, owner: int, cause: ReleaseCause, session_exists: bool) -> Answer:
+        cache = self._caches.get(owner)
+        if cache is not None and cause is ReleaseCause.FREED and self._leased(cache):
+            cache.free_deferred = True
+            return Answer(Verdict.DEFERRED, f'preserved cache {owner} is being migrated; it is released when that '
+                                            'migration ends', counted_as='deferred')
+        if cache is not None:
             return Answer(Verdict.RELEASED, f'preserved cache {owner} released')
         stale = self._stale(owner)
         if stale is not None:
@@ -148,7 +167,8 @@ class PreservedBook:
             if cache.block_ids != block_ids:
                 # the caller learns that its block ids are wrong, not which are right
                 return Answer(Verdict.REFUSED, f'block ids do not match preserved cache {owner}')
-            cache.touched_at = self._clock()
+            cache.claimed = True
+            cache.held_until = max(cache.held_until, self._clock() + self.claim_hold_s)
             return Answer(Verdict.CLAIMED, f'preserved cache {owner} confirmed')
         stale = self._stale(owner)
         if stale is not None:
@@ -157,6 +177,9 @@ class PreservedBook:
             return Answer(Verdict.RECLAIMED, f'preserved cache {owner} was reclaimed after the orphan TTL '
                                              f'({self.orphan_ttl_s:g} s); its blocks may hold other data now')
         return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node')
+
+    def _leased(self, cache: PreservedCache) -> bool:
+        return cache.claimed and self._clock() <= cache.held_until
 
     def _stale(self, owner: int) -> Answer | None:
         if self.incarnation is None or incarnation_of(owner) == self.incarnation:

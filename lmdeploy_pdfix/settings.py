@@ -68,11 +68,18 @@ HEALTH_TIMEOUT_S = Number(
 ORPHAN_TTL_S = Number(
     'LMDEPLOY_PDFIX_ORPHAN_TTL_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill',
     patches=('engine_sessions',),
-    help='a preserved Prefill cache nobody migrated, freed or claimed for this long is reclaimed (a claim '
-         'restarts the clock, so a queued migration is never cut); keep it above the 300-480 s a migration may wait')
+    help='a preserved Prefill cache no Decode node claimed, and nobody freed, this long after its answer is '
+         'reclaimed; a claimed one is held for its lease instead (`LMDEPLOY_PDFIX_CLAIM_LEASE_S`)')
+CLAIM_LEASE_S = Number(
+    'LMDEPLOY_PDFIX_CLAIM_LEASE_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill and Decode',
+    patches=('engine_sessions', 'migration_faults'),
+    help='a Decode node starts the migration of a cache it claimed within this long of the request, or fails '
+         'the request; the Prefill holds a claimed cache against the orphan TTL and every free but the '
+         "Decode's own for this long plus the migration timeout and 30 s; keep it alike on every node and above "
+         'the 300-480 s a migration may wait in a queue')
 MIGRATION_TIMEOUT_S = Number(
-    'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', 120.0, minimum=0.1, maximum=_DAY, node='Decode',
-    patches=('migration_faults',),
+    'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', 120.0, minimum=0.1, maximum=_DAY, node='Decode and Prefill',
+    patches=('migration_faults', 'engine_sessions'),
     help='a KV transfer not done by then fails its request; its blocks stay pinned until the transfer really ends')
 ZMQ_SEND_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='Decode',
@@ -84,8 +91,17 @@ MAX_PROMPTS = Number(
     whole=True, help='most prompts one DistServe completions request may list (400 above it); each holds a Prefill '
                      'cache until its Decode takes it, and at most 8 of one request are relayed at a time')
 
-NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, MIGRATION_TIMEOUT_S,
-                               ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS)
+NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
+                               MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS)
+
+# covers the hop from a Decode's claim to its engine, which counts the lease from the request's arrival
+_CLAIM_HOP_MARGIN_S = 30.0
+
+
+def claim_hold_s() -> float:
+    """How long a Prefill holds a claimed cache: its Decode starts the migration within the lease and gives up
+    on the transfer a migration timeout later."""
+    return CLAIM_LEASE_S.value() + MIGRATION_TIMEOUT_S.value() + _CLAIM_HOP_MARGIN_S
 
 
 def is_truthy(value: str | None) -> bool:

@@ -206,7 +206,8 @@ async def test_a_failed_migration_fails_its_own_request_only(decode: DecodeNode,
     assert is_answered_with_first_token(answered)
     assert fine.status == MessageStatus.MIGRATION_DONE
     assert decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, 'only the migrated request holds blocks'
-    assert decode.loop.engine_conn.frees == [('prefill-b', 12)]
+    # the failed migration is over, so its Prefill cache is freed at once (the link allowing)
+    assert decode.loop.engine_conn.frees == [('prefill-a', 11)] * (fault == 'transfer error') + [('prefill-b', 12)]
     assert sum(book_of(decode.engine).migration_failures.values()) == 1
 
 
@@ -234,7 +235,7 @@ async def test_the_decode_node_serves_later_requests_after_a_failed_migration(de
     for seq in later:
         assert is_answered_with_first_token(await decode.answer(seq))
     assert not decode.migration_loop.done()
-    assert decode.loop.engine_conn.frees == [('prefill-b', 20), ('prefill-b', 21), ('prefill-b', 22)]
+    assert decode.loop.engine_conn.frees == [('prefill-a', 11), ('prefill-b', 20), ('prefill-b', 21), ('prefill-b', 22)]
 
 
 @pytest.mark.regression
@@ -252,6 +253,24 @@ async def test_a_hung_migration_fails_at_the_deadline_and_its_blocks_wait_for_th
     assert decode.free_blocks() == NUM_GPU_BLOCKS - 2 * PROMPT_BLOCKS
     decode.transfers.unfinished[0].set_result(None)
     assert await eventually(lambda: decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS)
+
+
+@pytest.mark.regression
+async def test_a_migration_that_waited_past_the_claim_lease_fails_instead_of_copying(
+        decode: DecodeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    # its Prefill held the claimed cache only that long: its blocks may hold other work's KV by now
+    monkeypatch.setattr(engine_loop_patch, 'CLAIM_LEASE_S', 5.0)
+    late = decode.receive('prefill-a', 11)
+    late.arrive_time -= 6.0
+    fine = decode.receive('prefill-b', 12)
+    decode.start()
+    failed, answered = await decode.answer(late), await decode.answer(fine)
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR and 'claim_expired' in failed.err_msg
+    assert is_answered_with_first_token(answered)
+    assert decode.transfers.copied == ['prefill-b'], 'the late request read Prefill blocks'
+    assert ('prefill-a', 11) in decode.loop.engine_conn.frees
+    assert book_of(decode.engine).migration_failures == {'claim_expired': 1}
 
 
 async def test_a_dummy_prefill_is_left_to_lmdeploy(decode: DecodeNode) -> None:
@@ -289,7 +308,7 @@ async def test_a_free_no_prefill_takes_fails_its_request_and_the_prefill_cache_o
         assert 'took no free of its session' in failed.err_msg
         assert is_answered_with_first_token(answered)
         assert await eventually(lambda: owner(12) not in prefill.scheduler.sessions), 'the Prefill cache was kept'
-        assert book_of(prefill.engine).releases == {'migrated': 1}
+        assert book_of(prefill.engine).releases == {'decode_freed': 1}
         assert book_of(decode.engine).migration_failures == {'CacheFreeNotSent': 1}
     finally:
         await other_tasks_done()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lmdeploy_pdfix.owner_ids import first_session_id
 from lmdeploy_pdfix.preserved import PreservedBook, ReleaseCause, Verdict
 
@@ -16,18 +18,18 @@ class Clock:
         return self.now
 
 
-def book_with_one_cache(ttl: float = 600.0) -> tuple[PreservedBook, Clock]:
+def book_with_one_cache(ttl: float = 600.0, claim_hold: float = 750.0) -> tuple[PreservedBook, Clock]:
     clock = Clock()
-    book = PreservedBook(orphan_ttl_s=ttl, clock=clock)
+    book = PreservedBook(orphan_ttl_s=ttl, claim_hold_s=claim_hold, clock=clock)
     book.preserve(OWNER, [4, 5])
     return book, clock
 
 
 def test_a_preserved_cache_is_released_once_and_then_not_found() -> None:
     book, _ = book_with_one_cache()
-    assert book.release(OWNER, ReleaseCause.MIGRATED, session_exists=True).verdict is Verdict.RELEASED
+    assert book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True).verdict is Verdict.RELEASED
     assert book.release(OWNER, ReleaseCause.FREED, session_exists=False).verdict is Verdict.NOT_FOUND
-    assert book.audit()['releases'] == {'migrated': 1}
+    assert book.audit()['releases'] == {'decode_freed': 1}
     assert book.audit()['frees_not_released'] == {'unknown': 1}
 
 
@@ -48,14 +50,43 @@ def test_an_owner_from_an_earlier_incarnation_is_answered_as_unknown_and_counted
     assert book.audit()['frees_not_released'] == {'stale': 1, 'unknown': 1}
 
 
-def test_orphans_expire_after_the_ttl_and_a_claim_restarts_it() -> None:
+def test_an_unclaimed_cache_is_reclaimed_after_the_orphan_ttl() -> None:
     book, clock = book_with_one_cache(ttl=10.0)
+    clock.now += 9
+    assert book.expired() == []
+    clock.now += 2
+    assert book.expired() == [OWNER]
+
+
+@pytest.mark.regression
+def test_a_claim_holds_the_cache_past_the_orphan_ttl_until_its_lease_ends() -> None:
+    book, clock = book_with_one_cache(ttl=10.0, claim_hold=100.0)
     clock.now += 8
     assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
-    clock.now += 8
+    clock.now += 90  # the migration waits in the Decode's queue, far past the orphan TTL
     assert book.expired() == []
-    clock.now += 3
+    clock.now += 20
+    assert book.expired() == [OWNER]  # its Decode never ended it: the lease did
+
+
+@pytest.mark.regression
+def test_a_free_while_a_claimed_migration_runs_waits_for_that_migration() -> None:
+    book, _ = book_with_one_cache(claim_hold=100.0)
+    book.claim(OWNER, [4, 5])
+    answer = book.release(OWNER, ReleaseCause.FREED, session_exists=True)  # the proxy's gc, say
+    assert answer.verdict is Verdict.DEFERRED and book.is_preserved(OWNER)
+    assert book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True).verdict is Verdict.RELEASED
+    assert book.audit()['releases'] == {'decode_freed': 1}
+
+
+def test_a_deferred_free_releases_the_cache_when_the_lease_ends() -> None:
+    book, clock = book_with_one_cache(ttl=10.0, claim_hold=100.0)
+    book.claim(OWNER, [4, 5])
+    book.release(OWNER, ReleaseCause.FREED, session_exists=True)
+    clock.now += 101
     assert book.expired() == [OWNER]
+    assert book.release(OWNER, ReleaseCause.RECLAIMED, session_exists=True).verdict is Verdict.RELEASED
+    assert book.audit()['releases'] == {'freed': 1}
 
 
 def test_a_reclaimed_owner_is_refused_to_a_late_claim_and_reported_to_a_late_free() -> None:

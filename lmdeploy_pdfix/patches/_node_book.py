@@ -14,6 +14,6 @@ def book_of(engine: Any) -> PreservedBook:
     """``engine``'s book of preserved caches, created on first use."""
     book = getattr(engine, _ATTRIBUTE, None)
     if book is None:
-        book = PreservedBook(orphan_ttl_s=settings.ORPHAN_TTL_S.value())
+        book = PreservedBook(orphan_ttl_s=settings.ORPHAN_TTL_S.value(), claim_hold_s=settings.claim_hold_s())
         setattr(engine, _ATTRIBUTE, book)
     return book

@@ -62,8 +62,8 @@ def reclaim_orphans(engine: Any) -> list[int]:
     reclaimed = [owner for owner in book.expired()
                  if release_preserved(engine, owner, ReleaseCause.RECLAIMED).verdict is Verdict.RELEASED]
     if reclaimed:
-        warn(f'reclaimed {len(reclaimed)} preserved Prefill cache(s) nobody took within {book.orphan_ttl_s:g} s: '
-             f'{reclaimed}')
+        warn(f'reclaimed {len(reclaimed)} preserved Prefill cache(s) nobody took in time (orphan TTL '
+             f'{book.orphan_ttl_s:g} s, claimed ones {book.claim_hold_s:g} s): {reclaimed}')
     return reclaimed
 
 

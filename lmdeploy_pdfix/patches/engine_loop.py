@@ -11,6 +11,11 @@ the batch before LMDeploy activates it: its client gets an engine error, its Dec
 is counted in the node's book, and the rest of the batch and every later one go on. Dummy prefills reach
 LMDeploy's code unchanged (it skips them).
 
+A migration ended by a failure frees its Prefill cache over ZMQ, as one that worked does: the Prefill holds a
+claimed cache for its Decode until then (issue 11). A migration that waited to start longer than the claim
+lease (``LMDEPLOY_PDFIX_CLAIM_LEASE_S``, counted from the request's arrival) fails instead of copying blocks the
+Prefill may have handed to other work meanwhile.
+
 A Decode request aborted while it waits for or undergoes its migration (its client left: STOP_SESSION, then
 END_SESSION) ends cleanly too (issue 9; the loop that never spins after one is `migration_wakeups`, D20):
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -45,6 +51,7 @@ from lmdeploy_pdfix.patching import (
 )
 
 MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
+CLAIM_LEASE_S = settings.CLAIM_LEASE_S.value()
 BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
 MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
@@ -76,6 +83,7 @@ def _migrating_each_alone(original: Migrate, respond: Respond, error_type: Any, 
                 _leave_batch(migration_ready, msg)
             elif failure is not None:
                 _fail(self, msg, failure, respond, error_type)
+                await _free_prefill_cache(self, msg)  # the migration is over: the Prefill's hold for it too
                 _leave_batch(migration_ready, msg)
 
     return _migration_loop_migrate
@@ -98,7 +106,7 @@ def _leave_batch(migration_ready: list[Any], msg: Any) -> None:
 
 
 async def _free_prefill_cache(loop: Any, msg: Any) -> None:
-    """Free the Prefill cache of a migration that will never run, as LMDeploy frees one that ran."""
+    """Free the Prefill cache of a migration that failed or will never run, as LMDeploy frees one that ran."""
     request = msg.migration_request
     if request is None or request.is_dummy_prefill:
         return
@@ -106,12 +114,15 @@ async def _free_prefill_cache(loop: Any, msg: Any) -> None:
         await loop.engine_conn.zmq_send(remote_engine_id=request.remote_engine_id,
                                         remote_session_id=request.remote_session_id)
     except Exception as exc:  # the proxy frees it too, when its request fails; the orphan TTL as a last resort
-        warn(f'freeing Prefill session {request.remote_session_id} of aborted Decode session {msg.session_id} '
+        warn(f'freeing Prefill session {request.remote_session_id} of ended Decode session {msg.session_id} '
              f'failed: {exc!r}')
 
 
 async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailure | None:
     """Migrate ``msg`` by LMDeploy's code, its Decode blocks held until the transfer ends; None when it worked."""
+    late = _past_claim_lease(msg)
+    if late is not None:
+        return late
     transfer = asyncio.ensure_future(original(loop, [msg]))
     _hold_blocks_during(loop.scheduler.block_manager, msg, transfer)
     try:
@@ -129,6 +140,17 @@ async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailu
     if error is None:
         return None
     return MigrationFailure(type(error).__name__, str(error) or repr(error))
+
+
+def _past_claim_lease(msg: Any) -> MigrationFailure | None:
+    """Why ``msg`` must not start its transfer any more: it waited past what its Prefill holds a claim for."""
+    if msg.migration_request is None or msg.migration_request.is_dummy_prefill:
+        return None
+    waited = time.perf_counter() - msg.arrive_time  # LMDeploy's arrival stamp, on the same clock
+    if waited <= CLAIM_LEASE_S:
+        return None
+    return MigrationFailure('claim_expired', f'it waited {waited:.0f} s to start; its Prefill holds a claimed cache '
+                                             f'for {CLAIM_LEASE_S:g} s (LMDEPLOY_PDFIX_CLAIM_LEASE_S)')
 
 
 def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) -> None:
@@ -193,7 +215,7 @@ class MigrationFaultsPatch(Patch):
         scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
         return first_problem(
             attribute_problem(loop, ['scheduler', 'req_manager', 'engine_conn']),
-            attribute_problem(sequence, ['logical_blocks', 'migration_request', 'status', 'session_id']),
+            attribute_problem(sequence, ['logical_blocks', 'migration_request', 'status', 'session_id', 'arrive_time']),
             attribute_problem(scheduler, ['block_manager']),
             signature_problem(loop, '_migration_loop_migrate', ['self', 'migration_ready']),
             signature_problem(loop, '_migration_loop_process_ready', ['self', 'migration_ready']),

@@ -2,7 +2,9 @@
 
 The engine process takes (deletes) the file when it reaches the faulty step, so each file is one fault:
 ``slow_prefill`` (its content: seconds) stretches the next Prefill forward, as a long prompt would on a GPU;
-``migrate_error`` makes the next KV transfer of a Decode node fail, as a dropped RDMA link would.
+``migrate_error`` makes the next KV transfer of a Decode node fail, as a dropped RDMA link would;
+``slow_migrate`` (its content: seconds) holds the next KV transfer back before it copies anything, as a
+migration waiting in a busy Decode's queue would.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 FAULTS_ENV = 'LMDEPLOY_PDFIX_SIM_FAULTS'
 SLOW_PREFILL = 'slow_prefill'
 MIGRATE_ERROR = 'migrate_error'
+SLOW_MIGRATE = 'slow_migrate'
 
 
 class InjectedFault(RuntimeError):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import time
 from types import ModuleType
 from typing import Any
 
@@ -200,6 +201,7 @@ def substitute_mooncake(mooncake: ModuleType) -> None:
         nbytes = sum(task.length for task in assignment.batch)
         if faults.take(faults.MIGRATE_ERROR) is not None:
             raise faults.InjectedFault('injected KV transfer failure')
+        time.sleep(float(faults.take(faults.SLOW_MIGRATE) or 0))  # a worker thread: the engine loop goes on
         if os.environ.get(DROP_KV_ENV) == '1':
             # Negative control: the Decode never receives the Prefill's KV, the answer must not match.
             state.count('migrations_dropped')

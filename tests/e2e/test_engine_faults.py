@@ -26,7 +26,9 @@ from tests.e2e.test_failure_paths import Answer, assert_serving, get, post
 pytestmark = pytest.mark.e2e
 
 ORPHAN_TTL_S = 3.0
-NODE_ENV = {'LMDEPLOY_PDFIX_ORPHAN_TTL_S': str(ORPHAN_TTL_S), 'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S': '10'}
+GC_AGE_S = 2.0
+NODE_ENV = {'LMDEPLOY_PDFIX_ORPHAN_TTL_S': str(ORPHAN_TTL_S), 'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S': '10',
+            'LMDEPLOY_PDFIX_GC_AGE_S': str(GC_AGE_S)}
 SETTLE_S = 8.0
 FREE_PATH = '/distserve/free_cache'
 RDMA = 1  # MigrationProtocol.RDMA, what the proxy sends (the sim runs it over Mooncake's TCP transport)
@@ -271,6 +273,36 @@ def test_an_orphaned_cache_is_reclaimed_after_the_ttl_and_refused_to_a_late_deco
     late = to_decode(cluster, migration_request(cluster, answer['cache_session_id'], answer['cache_block_ids']))
     assert late.status == 410 and 'reclaimed' in late.message, late
     assert_serving(cluster, mode)
+
+
+# ---------------------------------------------------------------------------------------------- claims hold
+
+
+@pytest.mark.regression
+def test_a_migration_held_past_the_orphan_ttl_and_the_gc_age_copies_the_cache_its_claim_confirmed(
+        cluster: Cluster, mode: str) -> None:
+    assert_serving(cluster, mode)
+    decode = cluster.decode_urls[0]
+    held_s = ORPHAN_TTL_S + GC_AGE_S + 1
+    cluster.arm_fault(decode, faults.SLOW_MIGRATE, str(held_s))  # a busy Decode's queue, say
+    prompt = client.prompt_for(71)
+    with Traffic(cluster) as traffic, ThreadPoolExecutor(1) as pool:  # new work reuses whatever is freed
+        held = pool.submit(client.request, cluster.proxy_url, 'completions', prompt, timeout_s=60)
+        cluster.wait_fault_taken(decode, faults.SLOW_MIGRATE)
+        time.sleep(ORPHAN_TTL_S + 0.5)  # the orphan TTL passes, and so does the gc age
+        gc = post(f'{cluster.proxy_url}/distserve/gc', {}, timeout_s=30)
+        for index in range(3):  # Prefill work that takes (and writes) whatever blocks are free now
+            post(f'{cluster.prefill_urls[0]}/v1/completions',
+                 {'model': MODEL_NAME, 'prompt': client.prompt_for(900 + index, 400), 'max_tokens': 1})
+        answer = held.result()
+    assert answer.status == 200 and answer.ok, answer  # not the KV of whatever reused the blocks
+    if mode == 'stock':  # stock frees nothing it could cut short: gc fails (D17), no completions' cache is freed
+        assert gc.status == 500 and prefill_sessions(cluster) > 0
+        return
+    traffic.assert_clean()
+    assert gc.status == 200, gc
+    assert node_audit(cluster.prefill_urls[0])['frees_not_released'].get('deferred', 0) >= 1
+    assert prefill_sessions(cluster, expected=0) == 0, 'a cache was left behind'
 
 
 # ---------------------------------------------------------------------------------------------- D19
