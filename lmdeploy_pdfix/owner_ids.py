@@ -8,27 +8,38 @@ owner: for chat it is ``chatcmpl-…``, for completions it is the caller's ``ses
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-# An owner id is ``incarnation << 32 | n``: each api_server process numbers its sessions from a fresh random
-# base, so an id from before a node restart can never name a session of the restarted node (D14), and the
-# node that consumes an id can tell a stale one from an unknown one.
-INCARNATION_SHIFT = 32
-_INCARNATIONS = 2**30  # keeps every owner id below 2**62
+# Session ids, and so owner ids, are 0, 1, 2, … run through a keyed permutation of the 62-bit integers, with a
+# fresh random key per session manager (so per api_server process and restart). Knowing one id tells nothing
+# of any other, so nobody can name, and free, a cache from a neighbour's id; and an id from before a restart
+# names a session after it only by a 2**-62 chance (D14). A Feistel network keeps it a permutation: no two
+# sessions of one process ever share an id.
+_HALF_BITS = 31
+_HALF_MASK = (1 << _HALF_BITS) - 1
+_ROUNDS = 4  # Luby-Rackoff: four rounds of a pseudorandom function give a strong pseudorandom permutation
 
 
-def new_incarnation() -> int:
-    return 1 + secrets.randbelow(_INCARNATIONS - 1)
+def unguessable_session_ids() -> Iterator[int]:
+    """A session manager's id sequence: distinct, below 2**62, unpredictable without its key."""
+    key = secrets.token_bytes(16)
+    return (permuted(key, n) for n in itertools.count())
 
 
-def first_session_id(incarnation: int) -> int:
-    return incarnation << INCARNATION_SHIFT
+def permuted(key: bytes, n: int) -> int:
+    left, right = n >> _HALF_BITS, n & _HALF_MASK
+    for round_index in range(_ROUNDS):
+        left, right = right, left ^ _round(key, round_index, right)
+    return left << _HALF_BITS | right
 
 
-def incarnation_of(owner: int) -> int:
-    return owner >> INCARNATION_SHIFT
+def _round(key: bytes, round_index: int, half: int) -> int:
+    digest = hashlib.blake2b(bytes((round_index,)) + half.to_bytes(4, 'big'), key=key, digest_size=4).digest()
+    return int.from_bytes(digest, 'big') & _HALF_MASK
 
 
 def is_owner_id(value: Any) -> bool:

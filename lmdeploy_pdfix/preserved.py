@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.owner_ids import incarnation_of
 
 _REMEMBERED_RECLAIMS = 4096
 _AGE_BUCKETS_S = (10.0, 60.0, 300.0)
@@ -73,7 +72,6 @@ class PreservedBook:
         self._clock = clock
         self._caches: dict[int, PreservedCache] = {}
         self._reclaimed: OrderedDict[int, None] = OrderedDict()
-        self.incarnation: int | None = None  # learnt from the first owner this node preserves
         self.releases: Counter[str] = Counter()
         self.frees: Counter[str] = Counter()
         self.claims: Counter[str] = Counter()
@@ -82,8 +80,6 @@ class PreservedBook:
 
     def preserve(self, owner: int, block_ids: Sequence[int]) -> None:
         now = self._clock()
-        if self.incarnation is None:
-            self.incarnation = incarnation_of(owner)
         self._caches[owner] = PreservedCache(owner, tuple(block_ids), preserved_at=now,
                                              held_until=now + self.orphan_ttl_s)
 
@@ -149,9 +145,6 @@ class PreservedBook:
                                             'migration ends', counted_as='deferred')
         if cache is not None:
             return Answer(Verdict.RELEASED, f'preserved cache {owner} released')
-        stale = self._stale(owner)
-        if stale is not None:
-            return stale
         if session_exists:
             return Answer(Verdict.REFUSED, f'session {owner} is not a preserved cache (it is still running or '
                                            'never asked to preserve its cache); nothing released',
@@ -170,9 +163,6 @@ class PreservedBook:
             cache.claimed = True
             cache.held_until = max(cache.held_until, self._clock() + self.claim_hold_s)
             return Answer(Verdict.CLAIMED, f'preserved cache {owner} confirmed')
-        stale = self._stale(owner)
-        if stale is not None:
-            return stale
         if owner in self._reclaimed:
             return Answer(Verdict.RECLAIMED, f'preserved cache {owner} was reclaimed after the orphan TTL '
                                              f'({self.orphan_ttl_s:g} s); its blocks may hold other data now')
@@ -180,13 +170,6 @@ class PreservedBook:
 
     def _leased(self, cache: PreservedCache) -> bool:
         return cache.claimed and self._clock() <= cache.held_until
-
-    def _stale(self, owner: int) -> Answer | None:
-        if self.incarnation is None or incarnation_of(owner) == self.incarnation:
-            return None
-        # answered as any unknown owner: a caller must not learn which incarnation numbers are right;
-        # the audit still counts it apart
-        return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node', counted_as='stale')
 
     def _remember_reclaim(self, owner: int) -> None:
         self._reclaimed[owner] = None

@@ -40,11 +40,11 @@ PATCHES: tuple[PatchSpec, ...] = (
                  'answer is marked'),
     ),
     PatchSpec(
-        name='session_incarnations',
-        module='lmdeploy_pdfix.patches.session_incarnations',
+        name='unguessable_session_ids',
+        module='lmdeploy_pdfix.patches.session_ids',
         target='lmdeploy.serve.managers.session_manager',
-        summary=('Session ids start from a random incarnation base: an owner from before a restart never names a '
-                 'session after it'),
+        summary=('Session ids are unguessable and new after every restart: no owner id helps name another, and '
+                 'one from before a restart never names a session after it'),
     ),
     PatchSpec(
         name='link_routes',

@@ -35,7 +35,6 @@ from lmdeploy.pytorch.messages import SequenceMeta
 from lmdeploy.pytorch.paging import Scheduler
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
 
-from lmdeploy_pdfix.owner_ids import first_session_id
 from lmdeploy_pdfix.patches import engine_conn as engine_conn_patch
 from lmdeploy_pdfix.patches._node_book import book_of
 
@@ -43,7 +42,7 @@ BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 64
 PREFILL_URL = 'http://127.0.0.1:23001'
 DECODE_URL = 'http://127.0.0.1:23002'
-INCARNATION = 7
+OWNER_BASE = 7 << 32  # where this test's owner ids start: any ids of the engine's own would do
 SETTLE_S = 2.0  # how long a test waits for a message to cross a link; a healthy link takes milliseconds
 SEND_TIMEOUT_S = 0.3
 
@@ -125,7 +124,7 @@ def drop(node: Node, peer: Node) -> dict[str, Any]:
 
 
 def owner(n: int) -> int:
-    return first_session_id(INCARNATION) + n
+    return OWNER_BASE + n
 
 
 async def other_tasks_done() -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.owner_ids import first_session_id, incarnation_of, is_owner_id, new_incarnation, single_owner
+from lmdeploy_pdfix.owner_ids import is_owner_id, permuted, single_owner, unguessable_session_ids
 from lmdeploy_pdfix.protocol import (
     CACHE_OWNER_FIELD,
     PrefillAnswerError,
@@ -74,11 +78,35 @@ def test_missing_owner_error_says_how_to_fix_it() -> None:
         parse_prefill_answer({'cache_block_ids': [1], 'remote_token_ids': [1]})
 
 
-def test_owner_ids_of_two_incarnations_never_meet() -> None:
-    first, second = new_incarnation(), new_incarnation()
-    assert incarnation_of(first_session_id(first) + 10**6) == first
-    assert first == second or first_session_id(first) + 10**6 != first_session_id(second) + 10**6
-    assert first_session_id(2**30 - 1) + 2**32 - 1 < 2**62
+def test_session_ids_are_distinct_owner_ids_below_2_to_the_62() -> None:
+    ids = [next(sequence) for sequence in [unguessable_session_ids()] for _ in range(20_000)]
+    assert len(set(ids)) == len(ids) and all(is_owner_id(owner) and owner < 2**62 for owner in ids)
+    key = bytes(16)
+    assert all(0 <= permuted(key, n) < 2**62 for n in (0, 2**31 - 1, 2**31, 2**62 - 1))
+
+
+def session_ids(manager: Any, count: int = 1_000) -> list[int]:
+    return [next(manager.session_id_generator) for _ in range(count)]
+
+
+@pytest.mark.regression
+def test_knowing_one_owner_id_does_not_help_name_another(apply_patch: Callable[[str], ModuleType]) -> None:
+    # issue 11: stock numbers 0, 1, 2, …, so one id names its neighbours (and a free of one ends another's cache)
+    manager = apply_patch('unguessable_session_ids').SessionManager()
+    seen = session_ids(manager)
+    gaps = {later - earlier for earlier, later in itertools.pairwise(seen)}
+    assert len(gaps) == len(seen) - 1, 'consecutive ids are a fixed step apart'
+    assert min(seen) > 2**40, 'ids start from somewhere guessable'
+
+
+@pytest.mark.regression
+def test_a_restarted_or_cleared_session_manager_never_reuses_an_id(apply_patch: Callable[[str], ModuleType]) -> None:
+    module = apply_patch('unguessable_session_ids')
+    before = session_ids(module.SessionManager())
+    cleared = module.SessionManager()
+    cleared.clear()
+    assert not set(before) & set(session_ids(module.SessionManager())), 'a restart named sessions as before (D14)'
+    assert not set(before) & set(session_ids(cleared))
 
 
 def test_a_migration_request_must_name_an_owner_and_distinct_blocks() -> None:
