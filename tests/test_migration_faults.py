@@ -176,6 +176,7 @@ def is_answered_with_first_token(resp: Response) -> bool:
 @pytest.fixture
 def loop_module(apply_patch: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setattr(engine_loop_patch, 'MIGRATION_TIMEOUT_S', MIGRATION_TIMEOUT_S)
+    monkeypatch.setattr(engine_loop_patch, 'QUARANTINE_S', MIGRATION_TIMEOUT_S)
     return apply_patch('migration_faults')
 
 
@@ -205,10 +206,25 @@ async def test_a_failed_migration_fails_its_own_request_only(decode: DecodeNode,
     assert failing.session_id not in decode.scheduler.sessions, 'the failed Decode session was kept'
     assert is_answered_with_first_token(answered)
     assert fine.status == MessageStatus.MIGRATION_DONE
-    assert decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, 'only the migrated request holds blocks'
+    assert await eventually(lambda: decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS), \
+        'only the migrated request holds blocks'
     # the failed migration is over, so its Prefill cache is freed at once (the link allowing)
     assert decode.loop.engine_conn.frees == [('prefill-a', 11)] * (fault == 'transfer error') + [('prefill-b', 12)]
     assert sum(book_of(decode.engine).migration_failures.values()) == 1
+
+
+@pytest.mark.regression
+async def test_the_blocks_of_a_failed_transfer_stay_quarantined_while_peer_workers_may_write(
+        decode: DecodeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    # with several workers, one worker's error ends the gather while the others still copy into those blocks
+    monkeypatch.setattr(engine_loop_patch, 'QUARANTINE_S', 1.0)
+    decode.transfers.failing['prefill-a'] = RuntimeError('RDMA read failed on worker 1')
+    failing, _, failed, _ = await decode.serve_one_from_each()
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+    assert failing.session_id not in decode.scheduler.sessions
+    assert decode.free_blocks() == NUM_GPU_BLOCKS - 2 * PROMPT_BLOCKS, 'handed out while a peer may still write'
+    assert await eventually(lambda: decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, within_s=3.0)
 
 
 @pytest.mark.regression

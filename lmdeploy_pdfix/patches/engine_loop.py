@@ -52,6 +52,8 @@ from lmdeploy_pdfix.patching import (
 
 MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
 CLAIM_LEASE_S = settings.CLAIM_LEASE_S.value()
+# how long the blocks of a transfer that failed stay out of reuse: no peer worker's copy outlasts a deadline
+QUARANTINE_S = MIGRATION_TIMEOUT_S
 BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
 MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
@@ -162,19 +164,28 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
     KV. An extra reference (LMDeploy's own pin for asynchronous readers) keeps them allocated; a transfer given
     up on is left to finish rather than cancelled, as its end is the only sign that nothing writes any more.
     A transfer that never ends (#4971: the future is never completed, though the copy is done) keeps its
-    blocks: a visible loss of capacity (the book's ``timeout`` count), never wrong text.
+    blocks: a visible loss of capacity (the book's ``timeout`` count), never wrong text. A transfer that ended
+    with an error keeps them a migration timeout longer: with several workers, one worker's failure ends the
+    gather while its peers may still be writing.
     """
     blocks = msg.logical_blocks.get_real_blocks().copy()  # the sequence's own array is reset when it ends
     block_manager.pin_logical_blocks(blocks)
     session_id = msg.session_id
 
-    def release(done: asyncio.Future) -> None:
+    def unpin() -> None:
         block_manager.release_logical_blocks(blocks)
+
+    def release(done: asyncio.Future) -> None:
+        error = None if done.cancelled() else done.exception()
         if done in _ABANDONED:
             _ABANDONED.discard(done)
-            error = None if done.cancelled() else done.exception()
             warn(f'the migration of Decode session {session_id} given up on has ended '
-                 f'({repr(error) if error else "no error"}); its {len(blocks)} blocks are free again')
+                 f'({repr(error) if error else "no error"}); its {len(blocks)} blocks are free again'
+                 + ('' if error is None else f' in {QUARANTINE_S:g} s'))
+        if error is None:
+            unpin()
+        else:  # quarantined: a peer worker's copy may still be landing in them
+            asyncio.get_running_loop().call_later(QUARANTINE_S, unpin)
 
     transfer.add_done_callback(release)
 
