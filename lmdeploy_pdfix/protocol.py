@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_index, is_owner_id
 
 # LMDeploy's routes the relay serves and calls
@@ -36,6 +37,28 @@ CLAIM_PATH = '/distserve/pdfix/claim'
 AUDIT_PATH = '/distserve/pdfix/audit'
 # A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
 DUMMY_PREFILL_FIELD = 'dummy_prefill'
+
+AUTHORIZATION = 'Authorization'
+CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and the Decode nodes to a key the nodes accept '
+                    '(their --api-keys).')
+
+
+def node_credentials() -> dict[str, str]:
+    """Headers of the calls pdfix makes to a node on its own behalf: probe, link set-up, free, claim."""
+    key = settings.NODE_API_KEY.value()
+    return {AUTHORIZATION: f'Bearer {key}'} if key else {}
+
+
+def forwarded_credentials(client_headers: Any) -> dict[str, str]:
+    """Headers of a client's request relayed to its nodes: the client's own ``Authorization`` (as LMDeploy's
+    Hybrid proxy forwards it), else the operator's node key."""
+    value = client_headers.get(AUTHORIZATION) if client_headers is not None else None
+    return {AUTHORIZATION: value} if value else node_credentials()
+
+
+def refused_credentials(status: int) -> bool:
+    return status in (401, 403)
+
 
 FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '
             'and upgrade the proxy and every Prefill node together.')

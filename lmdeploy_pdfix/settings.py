@@ -104,6 +104,26 @@ def claim_hold_s() -> float:
     return CLAIM_LEASE_S.value() + MIGRATION_TIMEOUT_S.value() + _CLAIM_HOP_MARGIN_S
 
 
+class Text:
+    """A text switch (a credential, say): read as it is, never logged."""
+
+    __slots__ = ('help', 'name', 'node')
+
+    def __init__(self, name: str, *, node: str, help: str) -> None:
+        self.name, self.node, self.help = name, node, help
+
+    def value(self) -> str | None:
+        return os.environ.get(self.name, '').strip() or None
+
+
+NODE_API_KEY = Text(
+    'LMDEPLOY_PDFIX_NODE_API_KEY', node='proxy and Decode',
+    help="a key the nodes' `--api-keys` accept: the calls pdfix makes on its own behalf (capability probe, link "
+         "set-up, frees, the Decode's claims) send it as a Bearer token; requests relayed for a client send the "
+         "client's own `Authorization`, as LMDeploy's Hybrid proxy does (this key only when the client sent none)")
+TEXTS: tuple[Text, ...] = (NODE_API_KEY,)
+
+
 def is_truthy(value: str | None) -> bool:
     return (value or '').strip().lower() in _TRUE
 

@@ -36,9 +36,12 @@ from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
     CLAIM_PATH,
+    CREDENTIALS_HINT,
     MigrationRequestError,
+    node_credentials,
     parse_claim,
     parse_migration_request,
+    refused_credentials,
 )
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
@@ -198,7 +201,8 @@ async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, s
     try:
         timeout = aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session, \
-                session.post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids}) as response:
+                session.post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids},
+                             headers=node_credentials()) as response:
             status, text = response.status, await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'
@@ -213,5 +217,6 @@ async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, s
                   f'{CLAIM_PATH}); migrating without confirmation. Enable lmdeploy-pdfix there.')
         return status, None
     if not isinstance(body, dict) or 'status' not in body:  # e.g. a 401: never migrate what nobody confirmed
-        return HTTPStatus.BAD_GATEWAY, f'Prefill node {prefill} did not confirm the cache (HTTP {status})'
+        hint = f'. {CREDENTIALS_HINT}' if refused_credentials(status) else ''
+        return HTTPStatus.BAD_GATEWAY, f'Prefill node {prefill} did not confirm the cache (HTTP {status}){hint}'
     return status, f'Prefill node {prefill}: {body.get("detail", body["status"])}'

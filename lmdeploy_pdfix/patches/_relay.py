@@ -28,13 +28,16 @@ from lmdeploy_pdfix.patching import lmdeploy_logger, warn
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
+    CREDENTIALS_HINT,
     FIX_HINT,
     FREE_PATH,
     PREFILL_FINISHED_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
     is_finished_at_prefill,
+    node_credentials,
     parse_prefill_answer,
+    refused_credentials,
 )
 
 RELEASE_TIMEOUT_S = 10.0
@@ -54,11 +57,13 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
     free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
-                session.post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json')) as response:
+                session.post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
+                             headers=node_credentials()) as response:
             await response.read()
             if response.status == HTTPStatus.OK:
                 return True
-            problem = f'HTTP {response.status}'
+            problem = f'HTTP {response.status}' + (f'. {CREDENTIALS_HINT}' if refused_credentials(response.status)
+                                                   else '')
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         problem = repr(exc)
     warn(f'releasing Prefill session {owner} on {p_url} ({reason}) failed: {problem}')
@@ -84,6 +89,7 @@ class _Relay:
     proxy: ModuleType
     path: str
     ledger: OwnerLedger
+    credentials: dict[str, str]  # headers of the calls made for the client (see forwarded_credentials)
     p_url: str = ''
     d_url: str = ''
     record: OwnerRecord | None = None
@@ -110,7 +116,7 @@ class _Relay:
         start = self.begin_call(url)
         try:
             async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
-                    session.post(url + self.path, json=payload) as response:
+                    session.post(url + self.path, json=payload, headers=self.credentials) as response:
                 return response.status, await response.text()
         finally:
             self.nodes.post_call(url, start)
@@ -137,6 +143,10 @@ class _Relay:
             self.ledger.close(record, ReleaseCause.MIGRATED)
 
 
+class NodeCredentialsRefusedError(Exception):
+    """A node answered 401 or 403 to the proxy's own call."""
+
+
 class _CapabilityProbe:
     """Whether a Prefill node names cache owners, asked once per node and remembered for a while."""
 
@@ -150,7 +160,9 @@ class _CapabilityProbe:
             return known[0]
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as session, \
-                    session.get(url + CAPABILITIES_PATH) as response:
+                    session.get(url + CAPABILITIES_PATH, headers=node_credentials()) as response:
+                if refused_credentials(response.status):
+                    raise NodeCredentialsRefusedError(f'HTTP {response.status}')
                 body = await response.json(content_type=None) if response.status == HTTPStatus.OK else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
@@ -163,7 +175,11 @@ _probe = _CapabilityProbe()
 
 
 async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
-    capable = await _probe.names_owners(relay.p_url)
+    try:
+        capable = await _probe.names_owners(relay.p_url)
+    except NodeCredentialsRefusedError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} refused the credentials of '
+                                                   f'the proxy ({exc}). {CREDENTIALS_HINT}')
     if capable is None:
         return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable.')
     if not capable:
@@ -400,7 +416,7 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
             await relay.release('Decode stream ended before any token')
 
     try:
-        response = await session.post(relay.d_url + relay.path, json=decode_request)
+        response = await session.post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         await session.close()
         await settle(False)
@@ -413,22 +429,23 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
     return stream
 
 
-async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request) -> Any:
+async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request,
+                          credentials: dict[str, str]) -> Any:
     """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
     request_dict = request.model_dump()
     problem = _unsupported(request_dict)
     if problem is not None:
         return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
     if not _is_batch(request_dict):
-        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), request_dict)
+        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), request_dict)
     singles = split_prompts(request_dict)
     if request_dict.get('stream'):  # a list of one prompt (longer ones are refused above): that prompt's stream
-        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), singles[0])
+        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), singles[0])
     fan_out = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
 
     async def relay_bounded(single: dict[str, Any]) -> JSONResponse | StreamingResponse:
         async with fan_out:
-            return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger), single)
+            return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), single)
 
     answers = await asyncio.gather(*(relay_bounded(single) for single in singles))
     failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)

@@ -30,7 +30,7 @@ from lmdeploy_pdfix.patching import (
     first_problem,
     signature_problem,
 )
-from lmdeploy_pdfix.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH
+from lmdeploy_pdfix.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH, forwarded_credentials
 
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
 # What the relay and the heartbeat read of LMDeploy's node manager at run time
@@ -49,7 +49,8 @@ def _relaying_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger):
             rejected = await nodes.check_request_model(request.model)
             if rejected is not None:
                 return rejected
-            return await until_client_leaves(raw_request, relay_distserve(proxy, path, ledger, request))
+            credentials = forwarded_credentials(getattr(raw_request, 'headers', None))
+            return await until_client_leaves(raw_request, relay_distserve(proxy, path, ledger, request, credentials))
 
         return endpoint
 

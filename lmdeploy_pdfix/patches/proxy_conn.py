@@ -29,6 +29,7 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
+from lmdeploy_pdfix.protocol import node_credentials
 
 
 def _tolerating_absent_session(original):
@@ -47,6 +48,8 @@ async def _watched_connect(original: Callable, pool: Any, conn_req: Any) -> None
     attempt = asyncio.ensure_future(original(pool, conn_req))
     deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
     try:
+        await asyncio.sleep(0)  # the attempt sets the pool up (its session) before its worker sends anything
+        _authenticate(pool)
         while not attempt.done():
             await asyncio.wait({attempt}, timeout=CONNECT_POLL_S)
             if not attempt.done() and pool.is_connected(conn_req.p_url, conn_req.d_url):
@@ -57,6 +60,14 @@ async def _watched_connect(original: Callable, pool: Any, conn_req: Any) -> None
         return attempt.result()
     finally:
         attempt.cancel()
+
+
+def _authenticate(pool: Any) -> None:
+    """The link set-up calls (engine_info, p2p_initialize, p2p_connect) carry the operator's node key: LMDeploy
+    sends none, so a cluster with --api-keys could not link at all."""
+    session = getattr(pool, 'conn_sess', None)
+    if session is not None:
+        session.headers.update(node_credentials())
 
 
 ATTEMPTS = '_pdfix_connect_attempts'  # a pool's attribute: link -> its attempt in flight

@@ -67,16 +67,18 @@ def _text_of(kind: str, raw: bytes) -> tuple[str, str]:
 
 
 def request(proxy_url: str, kind: str, prompt: str, max_tokens: int = 8, timeout_s: float = 30.0,
-            extra: dict | None = None) -> Result:
+            extra: dict | None = None, api_key: str | None = None) -> Result:
     """One request of ``kind`` (completions, chat or stream), never raising and never outliving ``timeout_s``.
 
-    ``extra`` adds or overrides request fields (e.g. a sampling parameter a node rejects).
+    ``extra`` adds or overrides request fields (e.g. a sampling parameter a node rejects); ``api_key`` is sent
+    as a Bearer token.
     """
     path, body = _payload(kind, prompt, max_tokens)
     body.update(extra or {})
     expected = model.expected_text_for(prompt, max_tokens)
     req = urllib.request.Request(f'{proxy_url}{path}', data=json.dumps(body).encode(), method='POST',
-                                 headers={'Content-Type': 'application/json'})
+                                 headers={'Content-Type': 'application/json',
+                                          **({'Authorization': f'Bearer {api_key}'} if api_key else {})})
     began = time.monotonic()
     try:
         with _OPENER.open(req, timeout=timeout_s) as response:

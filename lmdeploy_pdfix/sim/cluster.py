@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.sim import faults, model
 
 HOST = '127.0.0.1'
@@ -44,6 +45,7 @@ class ClusterConfig:
     startup_timeout_s: float = 240.0
     warmup: bool = True  # connect every P/D pair up front, so the first requests do not race the link-up
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every node, e.g. a short orphan TTL
+    api_key: str | None = None  # --api-keys of the proxy and every node, and LMDEPLOY_PDFIX_NODE_API_KEY of each
 
 
 @dataclass
@@ -102,17 +104,25 @@ class Cluster:
             wait_http_ok(f'{node.url}/health', deadline, node.pid)
         self._wait_registered(deadline)
         if cfg.warmup:
-            http_json('POST', f'{proxy.url}/distserve/connection_warmup', {}, timeout=60)
+            http_json('POST', f'{proxy.url}/distserve/connection_warmup', {}, timeout=60, headers=self.credentials)
+
+    @property
+    def credentials(self) -> dict[str, str]:
+        """Headers that pass the cluster's ``--api-keys`` (none when it has none)."""
+        return {'Authorization': f'Bearer {self.config.api_key}'} if self.config.api_key else {}
+
+    def _keys(self) -> list[str]:
+        return ['--api-keys', self.config.api_key] if self.config.api_key else []
 
     def _proxy_args(self, port: int) -> list[str]:
         return ['serve', 'proxy', '--server-name', HOST, '--server-port', str(port), '--serving-strategy',
-                'DistServe', '--disable-cache-status', '--log-level', 'INFO']
+                'DistServe', '--disable-cache-status', '--log-level', 'INFO', *self._keys()]
 
     def _node_args(self, port: int, role: str) -> list[str]:
         args = ['serve', 'api_server', str(self.config.model_dir.resolve()), '--backend', 'pytorch',
                 '--server-name', HOST, '--server-port', str(port), '--model-name', MODEL_NAME, '--role', role,
                 '--migration-backend', 'Mooncake', '--proxy-url', self.proxy_url, '--log-level', 'INFO',
-                '--max-batch-size', str(self.config.max_batch_size)]
+                '--max-batch-size', str(self.config.max_batch_size), *self._keys()]
         if self.config.max_prefill_token_num is not None:
             args += ['--max-prefill-token-num', str(self.config.max_prefill_token_num)]
         return args
@@ -149,6 +159,8 @@ class Cluster:
         if not (self.config.stock or role in self.config.stock_roles):
             env['LMDEPLOY_PDFIX'] = '1'
         env.update(self.config.env)
+        if self.config.api_key:
+            env[settings.NODE_API_KEY.name] = self.config.api_key
         if state_file:
             env['LMDEPLOY_PDFIX_SIM_STATE'] = state_file
         if role == 'Decode' and self.config.drop_kv_on_decode:
@@ -218,7 +230,7 @@ class Cluster:
             time.sleep(0.02)
 
     def node_state(self, url: str) -> dict[str, Any]:
-        return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5)
+        return http_json('GET', f'{url}{STATE_ROUTE}', timeout=5, headers=self.credentials)
 
     def settled_state(self, url: str, timeout_s: float = 20.0, quiet_s: float = 1.0) -> dict[str, Any]:
         """The node's state once sessions and free blocks stopped changing for ``quiet_s`` (frees are async)."""
@@ -267,10 +279,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) -> Any:
+def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0,
+              headers: dict[str, str] | None = None) -> Any:
     """A small JSON request with the standard library (no proxies: everything is on loopback)."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={'Content-Type': 'application/json'})
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={'Content-Type': 'application/json', **(headers or {})})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=timeout) as response:
         return json.loads(response.read() or b'null')

@@ -94,14 +94,14 @@ def _send(request: urllib.request.Request, timeout_s: float) -> Answer:
         return Answer(0, repr(exc))
 
 
-def get(url: str, timeout_s: float = 10.0) -> Answer:
-    return _send(urllib.request.Request(url), timeout_s)
+def get(url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> Answer:
+    return _send(urllib.request.Request(url, headers=headers or {}), timeout_s)
 
 
-def post(url: str, body: dict[str, Any], timeout_s: float = 30.0) -> Answer:
+def post(url: str, body: dict[str, Any], timeout_s: float = 30.0, headers: dict[str, str] | None = None) -> Answer:
     data = json.dumps(body).encode()
     return _send(urllib.request.Request(url, data=data, method='POST',
-                                        headers={'Content-Type': 'application/json'}), timeout_s)
+                                        headers={'Content-Type': 'application/json', **(headers or {})}), timeout_s)
 
 
 def ask(cluster: Cluster, kind: str, prompt: str, max_tokens: int = 8, timeout_s: float = 30.0,
