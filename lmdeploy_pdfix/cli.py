@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from lmdeploy_pdfix import settings
@@ -56,8 +59,24 @@ def _print_status(report: dict[str, Any]) -> None:
         print(f"  unknown names in {settings.DISABLE}: {', '.join(report['unknown_disabled_names'])}")
 
 
+@contextlib.contextmanager
+def _stdout_on_stderr() -> Iterator[None]:
+    """Whatever importing LMDeploy writes to stdout (its logger does) goes to stderr meanwhile, at the file
+    descriptor: its handlers hold the stdout stream itself, so swapping ``sys.stdout`` would not do."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def status(as_json: bool) -> int:
-    report = status_report()
+    with _stdout_on_stderr() if as_json else contextlib.nullcontext():  # stdout carries the JSON alone
+        report = status_report()
     if as_json:
         print(json.dumps(report, indent=2))
     else:

@@ -1,0 +1,24 @@
+"""``lmdeploy-pdfix status``: what it prints for machines is JSON and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lmdeploy_pdfix.registry import PATCHES
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_status_json_is_the_whole_of_stdout_and_names_every_unit() -> None:
+    # importing LMDeploy's proxy logs "AIOHTTP_TIMEOUT set to None …" on stdout: `status --json | jq` broke
+    env = {**os.environ, 'LMDEPLOY_PDFIX': '1', 'PYTHONPATH': str(REPO)}
+    run = subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.cli', 'status', '--json'], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=False)
+    report = json.loads(run.stdout)
+    assert [row['name'] for row in report['patches']] == [spec.name for spec in PATCHES]
+    assert {row['state'] for row in report['patches']} == {'applied'}, report['patches']
+    assert run.returncode == 0
