@@ -76,10 +76,14 @@ class OwnerLedger:
         return list(self._open.values())
 
     def collectable(self, *, older_than_s: float, live_urls: set[str], now: float) -> list[OwnerRecord]:
-        """Records gc may release: stale, whose node is gone, or whose release failed before."""
+        """Records gc may release: whose release failed before, and stale ones or those of a gone node that no
+        Decode has been asked to take. A migrating record is its relay's to close: its Decode may have claimed
+        the cache and still wait to copy it (a free now would let it copy reused blocks); the Prefill's claim
+        lease is the backstop should the relay never close it."""
         return [record for record in self._open.values()
-                if record.age(now) > older_than_s or record.state is RecordState.RELEASE_FAILED
-                or not {record.p_url, record.d_url} <= live_urls]
+                if record.state is RecordState.RELEASE_FAILED
+                or (record.state is RecordState.PREFILLED
+                    and (record.age(now) > older_than_s or not {record.p_url, record.d_url} <= live_urls))]
 
     def audit(self, now: float) -> dict[str, Any]:
         records = self._open.values()

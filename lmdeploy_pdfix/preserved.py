@@ -5,10 +5,10 @@ Decode node migrates it (and frees it over ZMQ), the proxy frees it (``/distserv
 does and the orphan TTL reclaims it. The book knows which sessions those are, gives every free and every
 claim a definitive answer, and counts each outcome for the node audit. No patching here.
 
-A Decode's claim is a lease: until that Decode frees the cache (its migration ended: copied, failed or given
-up on) or the lease runs out, nothing else releases it. A free meanwhile (the proxy compensating, its gc) is
-deferred to the lease's end, and the orphan TTL waits for it too, so a migration that sat in a queue never
-copies blocks already handed to other work.
+A Decode's claim is a lease: the orphan TTL waits until the lease ends, so a migration that sat in a queue
+never copies blocks already handed to other work. A free still releases at once: the proxy frees only once
+its Decode request has ended (and its gc leaves migrating requests alone), and a Decode frees once its
+migration has ended, copied or failed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class Verdict(str, enum.Enum):
     NOT_FOUND = 'not_found'
     RECLAIMED = 'reclaimed'  # the orphan TTL released it; a late Decode must not read its blocks
     REFUSED = 'refused'
-    DEFERRED = 'deferred'  # a claimed migration holds it: released when that migration ends, or its lease does
 
 
 class ReleaseCause(str, enum.Enum):
@@ -59,7 +58,6 @@ class PreservedCache:
     preserved_at: float
     held_until: float  # the end of the orphan TTL, or of the latest claim's lease: reclaimed after it
     claimed: bool = False
-    free_deferred: bool = False  # freed while a claim held it: released as freed when the lease ends
 
 
 class PreservedBook:
@@ -92,11 +90,9 @@ class PreservedBook:
 
     def release(self, owner: int, cause: ReleaseCause, *, session_exists: bool) -> Answer:
         """Whether ``owner``'s session may be ended for ``cause``: only RELEASED allows it."""
-        answer = self._judge_release(owner, cause, session_exists)
+        answer = self._judge_release(owner, session_exists)
         if answer.verdict is Verdict.RELEASED:
-            cache = self._caches.pop(owner)
-            if cause is ReleaseCause.RECLAIMED and cache.free_deferred:
-                cause = ReleaseCause.FREED  # what its lease held back
+            del self._caches[owner]
             self.releases[cause.value] += 1
             if cause is ReleaseCause.RECLAIMED:
                 self._remember_reclaim(owner)
@@ -137,13 +133,8 @@ class PreservedBook:
             'migrations_aborted': self.migrations_aborted,
         }
 
-    def _judge_release(self, owner: int, cause: ReleaseCause, session_exists: bool) -> Answer:
-        cache = self._caches.get(owner)
-        if cache is not None and cause is ReleaseCause.FREED and self._leased(cache):
-            cache.free_deferred = True
-            return Answer(Verdict.DEFERRED, f'preserved cache {owner} is being migrated; it is released when that '
-                                            'migration ends', counted_as='deferred')
-        if cache is not None:
+    def _judge_release(self, owner: int, session_exists: bool) -> Answer:
+        if owner in self._caches:
             return Answer(Verdict.RELEASED, f'preserved cache {owner} released')
         if session_exists:
             return Answer(Verdict.REFUSED, f'session {owner} is not a preserved cache (it is still running or '
@@ -167,9 +158,6 @@ class PreservedBook:
             return Answer(Verdict.RECLAIMED, f'preserved cache {owner} was reclaimed after the orphan TTL '
                                              f'({self.orphan_ttl_s:g} s); its blocks may hold other data now')
         return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node')
-
-    def _leased(self, cache: PreservedCache) -> bool:
-        return cache.claimed and self._clock() <= cache.held_until
 
     def _remember_reclaim(self, owner: int) -> None:
         self._reclaimed[owner] = None

@@ -74,9 +74,8 @@ CLAIM_LEASE_S = Number(
     'LMDEPLOY_PDFIX_CLAIM_LEASE_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill and Decode',
     patches=('engine_sessions', 'migration_faults'),
     help='a Decode node starts the migration of a cache it claimed within this long of the request, or fails '
-         'the request; the Prefill holds a claimed cache against the orphan TTL and every free but the '
-         "Decode's own for this long plus the migration timeout and 30 s; keep it alike on every node and above "
-         'the 300-480 s a migration may wait in a queue')
+         'the request; the Prefill keeps a claimed cache from the orphan TTL for this long plus the migration '
+         'timeout and 30 s; keep it alike on every node and above the 300-480 s a migration may wait in a queue')
 MIGRATION_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_MIGRATION_TIMEOUT_S', 120.0, minimum=0.1, maximum=_DAY, node='Decode and Prefill',
     patches=('migration_faults', 'engine_sessions'),

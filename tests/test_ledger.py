@@ -37,6 +37,15 @@ def test_gc_collects_stale_orphaned_and_failed_records_only() -> None:
     assert {record.owner for record in collectable} == {stale.owner, orphan.owner, failed.owner}
 
 
+def test_gc_leaves_a_migrating_record_to_its_relay_however_old() -> None:
+    # its Decode may hold a claim and still wait to copy: freeing now would let it copy reused blocks
+    ledger = OwnerLedger()
+    queued = ledger.open(1, 'p', 'd')
+    queued.state = RecordState.MIGRATING
+    queued.opened_at -= 1000
+    assert ledger.collectable(older_than_s=600, live_urls={'p'}, now=queued.opened_at + 1000) == []
+
+
 def test_audit_reports_books_by_state_age_cause_and_rejection() -> None:
     ledger = OwnerLedger()
     record = ledger.open(1, 'p', 'd')

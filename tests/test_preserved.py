@@ -57,26 +57,6 @@ def test_a_claim_holds_the_cache_past_the_orphan_ttl_until_its_lease_ends() -> N
     assert book.expired() == [OWNER]  # its Decode never ended it: the lease did
 
 
-@pytest.mark.regression
-def test_a_free_while_a_claimed_migration_runs_waits_for_that_migration() -> None:
-    book, _ = book_with_one_cache(claim_hold=100.0)
-    book.claim(OWNER, [4, 5])
-    answer = book.release(OWNER, ReleaseCause.FREED, session_exists=True)  # the proxy's gc, say
-    assert answer.verdict is Verdict.DEFERRED and book.is_preserved(OWNER)
-    assert book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True).verdict is Verdict.RELEASED
-    assert book.audit()['releases'] == {'decode_freed': 1}
-
-
-def test_a_deferred_free_releases_the_cache_when_the_lease_ends() -> None:
-    book, clock = book_with_one_cache(ttl=10.0, claim_hold=100.0)
-    book.claim(OWNER, [4, 5])
-    book.release(OWNER, ReleaseCause.FREED, session_exists=True)
-    clock.now += 101
-    assert book.expired() == [OWNER]
-    assert book.release(OWNER, ReleaseCause.RECLAIMED, session_exists=True).verdict is Verdict.RELEASED
-    assert book.audit()['releases'] == {'freed': 1}
-
-
 def test_a_reclaimed_owner_is_refused_to_a_late_claim_and_reported_to_a_late_free() -> None:
     book, _ = book_with_one_cache()
     book.release(OWNER, ReleaseCause.RECLAIMED, session_exists=True)
