@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from lmdeploy_pdfix.preserved import PreservedBook, ReleaseCause, Verdict
 
 OWNER = (7 << 32) + 3
@@ -46,7 +44,6 @@ def test_an_unclaimed_cache_is_reclaimed_after_the_orphan_ttl() -> None:
     assert book.expired() == [OWNER]
 
 
-@pytest.mark.regression
 def test_a_claim_holds_the_cache_past_the_orphan_ttl_until_its_lease_ends() -> None:
     book, clock = book_with_one_cache(ttl=10.0, claim_hold=100.0)
     clock.now += 8
