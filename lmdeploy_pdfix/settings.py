@@ -85,10 +85,12 @@ ZMQ_SEND_TIMEOUT_S = Number(
     patches=('engine_connections',),
     help='a free message the Prefill cannot take by then fails that request (the proxy then frees the cache)')
 
+PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 MAX_PROMPTS = Number(
     'LMDEPLOY_PDFIX_MAX_PROMPTS', 64, minimum=1, maximum=100_000, node='proxy', patches=('proxy_distserve',),
     whole=True, help='most prompts one DistServe completions request may list (400 above it); each holds a Prefill '
-                     'cache until its Decode takes it, and at most 8 of one request are relayed at a time')
+                     f'cache until its Decode takes it, and at most {PROMPTS_IN_FLIGHT} of one request are relayed '
+                     'at a time')
 
 NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
                                MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS)

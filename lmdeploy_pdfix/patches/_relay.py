@@ -44,7 +44,6 @@ RELEASE_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.2
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 PROBE_TIMEOUT_S = 5.0
-PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
 PROBE_TTL_S = {True: 60.0, False: 5.0}
@@ -441,7 +440,7 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
     singles = split_prompts(request_dict)
     if request_dict.get('stream'):  # a list of one prompt (longer ones are refused above): that prompt's stream
         return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), singles[0])
-    fan_out = asyncio.Semaphore(PROMPTS_IN_FLIGHT)
+    fan_out = asyncio.Semaphore(settings.PROMPTS_IN_FLIGHT)
 
     async def relay_bounded(single: dict[str, Any]) -> JSONResponse | StreamingResponse:
         async with fan_out:
