@@ -43,10 +43,14 @@ CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and the Deco
                     '(their --api-keys).')
 
 
+def bearer(key: str | None) -> dict[str, str]:
+    """The headers that present ``key`` to LMDeploy's ``--api-keys`` check (none without a key)."""
+    return {AUTHORIZATION: f'Bearer {key}'} if key else {}
+
+
 def node_credentials() -> dict[str, str]:
     """Headers of the calls pdfix makes to a node on its own behalf: probe, link set-up, free, claim."""
-    key = settings.NODE_API_KEY.value()
-    return {AUTHORIZATION: f'Bearer {key}'} if key else {}
+    return bearer(settings.NODE_API_KEY.value())
 
 
 def forwarded_credentials(client_headers: Any) -> dict[str, str]:
@@ -58,6 +62,11 @@ def forwarded_credentials(client_headers: Any) -> dict[str, str]:
 
 def refused_credentials(status: int) -> bool:
     return status in (401, 403)
+
+
+def credentials_hint(status: int) -> str:
+    """What to add to a report of a node's answer ``status`` to pdfix's own call: how to fix refused credentials."""
+    return f'. {CREDENTIALS_HINT}' if refused_credentials(status) else ''
 
 
 FIX_HINT = ('Enable lmdeploy-pdfix on the Prefill node (pip install lmdeploy-pdfix; LMDEPLOY_PDFIX=1) '

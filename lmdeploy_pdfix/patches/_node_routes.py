@@ -36,12 +36,11 @@ from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
     CLAIM_PATH,
-    CREDENTIALS_HINT,
     MigrationRequestError,
+    credentials_hint,
     node_credentials,
     parse_claim,
     parse_migration_request,
-    refused_credentials,
 )
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
@@ -217,6 +216,6 @@ async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, s
                   f'{CLAIM_PATH}); migrating without confirmation. Enable lmdeploy-pdfix there.')
         return status, None
     if not isinstance(body, dict) or 'status' not in body:  # e.g. a 401: never migrate what nobody confirmed
-        hint = f'. {CREDENTIALS_HINT}' if refused_credentials(status) else ''
-        return HTTPStatus.BAD_GATEWAY, f'Prefill node {prefill} did not confirm the cache (HTTP {status}){hint}'
+        return (HTTPStatus.BAD_GATEWAY,
+                f'Prefill node {prefill} did not confirm the cache (HTTP {status}){credentials_hint(status)}')
     return status, f'Prefill node {prefill}: {body.get("detail", body["status"])}'

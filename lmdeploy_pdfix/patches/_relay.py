@@ -34,6 +34,7 @@ from lmdeploy_pdfix.protocol import (
     PREFILL_FINISHED_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
+    credentials_hint,
     is_finished_at_prefill,
     node_credentials,
     parse_prefill_answer,
@@ -61,8 +62,7 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
             await response.read()
             if response.status == HTTPStatus.OK:
                 return True
-            problem = f'HTTP {response.status}' + (f'. {CREDENTIALS_HINT}' if refused_credentials(response.status)
-                                                   else '')
+            problem = f'HTTP {response.status}{credentials_hint(response.status)}'
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         problem = repr(exc)
     warn(f'releasing Prefill session {owner} on {p_url} ({reason}) failed: {problem}')

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lmdeploy_pdfix.protocol import bearer
 from lmdeploy_pdfix.sim import model
 from lmdeploy_pdfix.sim.cluster import MODEL_NAME
 
@@ -77,8 +78,7 @@ def request(proxy_url: str, kind: str, prompt: str, max_tokens: int = 8, timeout
     body.update(extra or {})
     expected = model.expected_text_for(prompt, max_tokens)
     req = urllib.request.Request(f'{proxy_url}{path}', data=json.dumps(body).encode(), method='POST',
-                                 headers={'Content-Type': 'application/json',
-                                          **({'Authorization': f'Bearer {api_key}'} if api_key else {})})
+                                 headers={'Content-Type': 'application/json', **bearer(api_key)})
     began = time.monotonic()
     try:
         with _OPENER.open(req, timeout=timeout_s) as response:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.protocol import bearer
 from lmdeploy_pdfix.sim import faults, model
 
 HOST = '127.0.0.1'
@@ -109,7 +110,7 @@ class Cluster:
     @property
     def credentials(self) -> dict[str, str]:
         """Headers that pass the cluster's ``--api-keys`` (none when it has none)."""
-        return {'Authorization': f'Bearer {self.config.api_key}'} if self.config.api_key else {}
+        return bearer(self.config.api_key)
 
     def _keys(self) -> list[str]:
         return ['--api-keys', self.config.api_key] if self.config.api_key else []
