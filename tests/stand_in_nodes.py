@@ -40,6 +40,7 @@ class PrefillBook:
 
     answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error | finished
     fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
+    probe_status: int = 200  # what the capability route answers (401: started with --api-keys the proxy lacks)
     free_status: int = 200  # what /distserve/free_cache answers
     delay_s: float = 0.0  # how long the prefill takes; like a real engine it keeps the cache if the caller left
     free_delay_s: float = 0.0  # how long a free takes to arrive; a caller that gives up first frees nothing
@@ -92,7 +93,8 @@ def prefill_app(book: PrefillBook) -> FastAPI:
     app = FastAPI()
     _add_handshake(app)
     if book.fixed:
-        app.get(CAPABILITIES_PATH)(lambda: {'cache_owner': True})
+        app.get(CAPABILITIES_PATH)(lambda: JSONResponse({'cache_owner': True} if book.probe_status == 200 else
+                                                        {'error': 'Unauthorized'}, status_code=book.probe_status))
 
     @app.post('/distserve/free_cache')
     async def free_cache(request: Request):

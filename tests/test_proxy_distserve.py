@@ -172,6 +172,25 @@ async def test_an_unfixed_prefill_node_is_refused_with_the_fix_before_any_work(d
 
 
 @pytest.mark.regression
+async def test_a_prefill_that_refuses_the_proxys_credentials_is_reported_as_such_before_any_work(
+        distserve: Cluster) -> None:
+    # stock sends no credentials; before issue 11 this 401 read as "enable lmdeploy-pdfix there" (a 503)
+    keyed = PrefillBook(probe_status=401)
+    nodes = distserve.proxy.node_manager
+    with serving(prefill_app(keyed)) as keyed_url:
+        nodes.remove(distserve.p_url)
+        nodes.add(keyed_url, distserve.proxy.Status(role=distserve.proxy.EngineRole.Prefill, models=[MODEL]))
+        try:
+            response = await distserve.post('/v1/chat/completions', CHAT)
+        finally:
+            nodes.remove(keyed_url)
+    assert response.status_code == 502
+    assert 'refused the credentials' in response.json()['message']
+    assert 'LMDEPLOY_PDFIX_NODE_API_KEY' in response.json()['message']
+    assert keyed.requests == [] and distserve.decode.migrations == []
+
+
+@pytest.mark.regression
 async def test_audit_shows_balanced_books_after_successes_and_failures(distserve: Cluster) -> None:
     before = await audit(distserve)
     await distserve.post('/v1/completions', COMPLETION)
