@@ -1,4 +1,5 @@
-"""``lmdeploy-pdfix``: ``status`` of the patches, and the GPU-free cluster tools (``sim``, ``soak``)."""
+"""``lmdeploy-pdfix``: ``status`` of the patches, ``doctor`` of a running cluster, and the GPU-free cluster tools
+(``sim``, ``soak``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.registry import PATCHES, PatchSpec
 
+NOT_APPLICABLE = 'not applicable'
+
 
 def _patch_status(spec: PatchSpec, disabled: frozenset[str]) -> dict[str, Any]:
     """What the patch does in this interpreter: applied, disabled by the user, or refused and why."""
@@ -26,11 +29,16 @@ def _patch_status(spec: PatchSpec, disabled: frozenset[str]) -> dict[str, Any]:
     try:
         module = importlib.import_module(spec.target)
         patch = load_patch(spec)
+    except ModuleNotFoundError as exc:  # an optional dependency of LMDeploy (e.g. Ray): nothing there to fix
+        return {**row, 'state': NOT_APPLICABLE, 'reason': f'{exc.name} is not installed, so LMDeploy does not use '
+                                                          f'{spec.target} here; nothing to fix'}
     except Exception as exc:
         return {**row, 'state': 'refused', 'reason': f'cannot import: {exc!r}'}
     if patch.state is PatchState.APPLIED:
         return {**row, 'state': 'applied', 'reason': None}
     reason = patch.reason or settings.problem_for(spec.name) or requirement_problem(spec) or patch.refusal(module)
+    if reason and reason.startswith(f'{NOT_APPLICABLE}: '):
+        return {**row, 'state': NOT_APPLICABLE, 'reason': reason.removeprefix(f'{NOT_APPLICABLE}: ')}
     return {**row, 'state': 'refused' if reason else 'ready', 'reason': reason}
 
 
@@ -52,9 +60,11 @@ def _print_status(report: dict[str, Any]) -> None:
     toggle = 'on' if report['enabled'] else f'off (set {settings.TOGGLE}=1 to enable)'
     print(f"LMDeploy {report['lmdeploy_version'] or 'not installed'} (supported: {report['supported']})")
     print(f'{settings.TOGGLE}: {toggle}')
+    name_width = max(len(row['name']) for row in report['patches'])
+    state_width = max(len(row['state']) for row in report['patches'])
     for row in report['patches']:
         reason = f" - {row['reason']}" if row['reason'] else ''
-        print(f"  {row['name']:<20} {row['state']:<9}{reason}")
+        print(f"  {row['name']:<{name_width}} {row['state']:<{state_width}}{reason}")
     if report['unknown_disabled_names']:
         print(f"  unknown names in {settings.DISABLE}: {', '.join(report['unknown_disabled_names'])}")
 
@@ -99,9 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest='command', required=True)
     status_parser = commands.add_parser('status', help='LMDeploy version, toggle and the state of every patch')
     status_parser.add_argument('--json', action='store_true', help='machine-readable output')
+    doctor_parser = commands.add_parser('doctor', help='ask a DistServe proxy and each of its nodes; list problems')
+    doctor_parser.add_argument('--proxy', required=True, help='the proxy URL, e.g. http://127.0.0.1:8000')
+    doctor_parser.add_argument('--json', action='store_true', help='machine-readable output')
+    doctor_parser.add_argument('--timeout', type=float, default=5.0, help='seconds to wait for each answer')
     commands.add_parser('sim', help='GPU-free DistServe cluster: sim up|status|down (see sim --help)')
     commands.add_parser('soak', help='load loop against a DistServe proxy (see soak --help)')
     args = parser.parse_args(argv)
+    if args.command == 'doctor':
+        from lmdeploy_pdfix.doctor import doctor
+
+        return doctor(args.proxy, args.json, args.timeout)
     return status(args.json)
 
 

@@ -52,6 +52,7 @@ class OwnerLedger:
         self._open: dict[tuple[str, int], OwnerRecord] = {}
         self.releases: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()
+        self.release_failures: Counter[str] = Counter()
 
     def open(self, owner: int, p_url: str, d_url: str) -> OwnerRecord:
         record = OwnerRecord(owner=owner, p_url=p_url, d_url=d_url)
@@ -67,6 +68,11 @@ class OwnerLedger:
         del self._open[record.key]
         self.releases[cause.value] += 1
         return True
+
+    def release_failed(self, record: OwnerRecord, cause: ReleaseCause) -> None:
+        """A free for ``cause`` did not get through: the record stays open for gc to retry."""
+        record.state = RecordState.RELEASE_FAILED
+        self.release_failures[cause.value] += 1
 
     def reject(self, reason: str) -> None:
         """Count a Prefill answer whose owner could not be used."""
@@ -90,7 +96,9 @@ class OwnerLedger:
         return {
             'open': len(records),
             'open_by_state': dict(Counter(record.state.value for record in records)),
+            'open_by_prefill': dict(Counter(record.p_url for record in records)),
             'oldest_age_s': round(max((record.age(now) for record in records), default=0.0), 3),
             'releases': dict(self.releases),
             'owner_rejections': dict(self.rejections),
+            'release_failures': dict(self.release_failures),
         }

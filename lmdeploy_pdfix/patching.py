@@ -248,3 +248,15 @@ def attribute_problem(cls: Any, names: Sequence[str]) -> str | None:
 
 def first_problem(*problems: str | None) -> str | None:
     return next((problem for problem in problems if problem is not None), None)
+
+
+def installation() -> dict[str, Any]:
+    """What this process runs, for the audit routes and ``doctor``: versions, and the units applied here."""
+    import sys
+
+    from lmdeploy_pdfix import __version__
+    from lmdeploy_pdfix.registry import PATCHES
+
+    applied = [spec.name for spec in PATCHES
+               if getattr(getattr(sys.modules.get(spec.module), 'PATCH', None), 'state', None) is PatchState.APPLIED]
+    return {'lmdeploy': lmdeploy_version(), 'lmdeploy_pdfix': __version__, 'units': applied}

@@ -38,6 +38,10 @@ AUDIT_PATH = '/distserve/pdfix/audit'
 # A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
 DUMMY_PREFILL_FIELD = 'dummy_prefill'
 
+# The proxy's status for a request whose client went away first (nginx's); the client never reads it, the
+# proxy's metrics count it as such.
+CLIENT_CLOSED_REQUEST = 499
+
 AUTHORIZATION = 'Authorization'
 CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and the Decode nodes to a key the nodes accept '
                     '(their --api-keys).')

@@ -59,6 +59,14 @@ PATCHES: tuple[PatchSpec, ...] = (
         summary='DistServe chat/completions migrate and release by cache_session_id only, on every path',
     ),
     PatchSpec(
+        name='proxy_metrics',
+        module='lmdeploy_pdfix.patches.proxy_metrics',
+        target='lmdeploy.serve.proxy.proxy',
+        summary=('The proxy serves Prometheus metrics at /metrics: requests by outcome, phase latencies, retained '
+                 'caches, releases'),
+        requires=('proxy_distserve',),  # it counts what that unit's relay and ledger see
+    ),
+    PatchSpec(
         name='proxy_heartbeat',
         module='lmdeploy_pdfix.patches.proxy_heartbeat',
         target='lmdeploy.serve.proxy.proxy',
@@ -91,6 +99,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         # they answer from the book of preserved caches, which engine_sessions keeps in the engine process (the
         # same code and switches as here): without it they would answer from nothing
         requires=('engine_sessions',),
+    ),
+    PatchSpec(
+        name='node_metrics',
+        module='lmdeploy_pdfix.patches.node_metrics',
+        target='lmdeploy.serve.openai.api_server',
+        summary="A node's /metrics carries its preserved caches, releases, claims, refused and failed migrations",
+        requires=('node_cache_routes',),  # it reads the book those routes read, in the engine process
     ),
     PatchSpec(
         name='migration_faults',

@@ -10,6 +10,9 @@ them leave right after sending, after the first chunk or mid-stream, give up, or
 rejects, at random; ``--decode-restarts`` kills and restarts the Decode node of the cluster ``sim up``
 recorded at random points. It then checks what an operator needs: no answer with HTTP 200 and a wrong text,
 no Prefill session left, every node healthy and registered, and 10 of 10 requests exact afterwards.
+
+On a terminal a live line on stderr shows requests done, requests/s, errors and the Prefill sessions of the
+latest sample; piped or redirected, the output is only the report.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lmdeploy_pdfix.progress import live
 from lmdeploy_pdfix.protocol import AUDIT_PATH
 from lmdeploy_pdfix.sim import chaos, client
 from lmdeploy_pdfix.sim.cluster import STATE_ROUTE, Cluster, http_json
@@ -110,14 +114,57 @@ class Sampler(threading.Thread):
         self.join()
         self.sample_once()  # the state the load left behind
 
+    def prefill_sessions(self) -> int | None:
+        """Sessions the Prefill nodes held at their latest samples, summed; None before any was sampled."""
+        latest = {row['node']: row['sessions'] or 0 for row in list(self.rows) if row['role'] == 'Prefill'}
+        return sum(latest.values()) if latest else None
+
 
 def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 1)
 
 
-def run_load(args: argparse.Namespace, kinds: list[str]) -> tuple[list[client.Result], float]:
+class LoadProgress:
+    """Requests as they finish, for the live line: ``done/total, N req/s, E errors, P Prefill sessions``."""
+
+    def __init__(self, total: int, prefill_sessions: Callable[[], int | None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.prefill_sessions, self._clock = total, prefill_sessions, clock
+        self.done = self.errors = 0
+        self._began = clock()
+        self._finished_at: float | None = None  # the rate stops falling once the load is over
+        self._lock = threading.Lock()
+
+    def count(self, failed: bool) -> None:
+        with self._lock:
+            self.done += 1
+            self.errors += failed
+            if self.done == self.total:
+                self._finished_at = self._clock()
+
+    def render(self) -> str:
+        end = self._clock() if self._finished_at is None else self._finished_at
+        elapsed_s = end - self._began
+        rate = self.done / elapsed_s if elapsed_s > 0 else 0.0
+        parts = [f'{self.done}/{self.total}', f'{rate:.1f} req/s', f'{self.errors} errors']
+        sessions = self.prefill_sessions()
+        if sessions is not None:  # no emulated Prefill node to sample: leave it out rather than show 0
+            parts.append(f'{sessions} Prefill sessions')
+        return ', '.join(parts)
+
+
+def succeeded(result: client.Result, text_check: bool) -> bool:
+    """Exactly the emulated model's text with HTTP 200, or any HTTP 200 where the text is not checked."""
+    return result.ok if text_check else result.status == 200
+
+
+def run_load(args: argparse.Namespace, kinds: list[str],
+             progress: LoadProgress) -> tuple[list[client.Result], float]:
     def one(i: int) -> client.Result:
-        return client.request(args.proxy, kinds[i % len(kinds)], client.prompt_for(i), args.max_tokens, args.timeout)
+        result = client.request(args.proxy, kinds[i % len(kinds)], client.prompt_for(i), args.max_tokens,
+                                args.timeout)
+        progress.count(failed=not succeeded(result, not args.no_text_check))
+        return result
 
     began = time.monotonic()
     with ThreadPoolExecutor(max(1, args.concurrency)) as pool:
@@ -126,7 +173,7 @@ def run_load(args: argparse.Namespace, kinds: list[str]) -> tuple[list[client.Re
 
 
 def summarize(results: list[client.Result], elapsed_s: float, text_check: bool) -> dict[str, Any]:
-    ok = [r for r in results if (r.ok if text_check else r.status == 200)]
+    ok = [r for r in results if succeeded(r, text_check)]
     latencies = [r.latency_s * 1000 for r in ok]
     return {
         'requests': len(results),
@@ -166,14 +213,18 @@ def plot_samples(rows: list[dict[str, Any]], path: Path) -> Path | None:
     fig, (ax_sessions, ax_rss) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for node in sorted({row['node'] for row in rows}):
         mine = [row for row in rows if row['node'] == node]
-        label = f"{mine[0]['role']} {node.rsplit(':', 1)[-1]}"
+        label = f"{mine[0]['role']} node, port {node.rsplit(':', 1)[-1]}"
         times = [row['t_s'] for row in mine]
         ax_sessions.plot(times, [row['sessions'] for row in mine], label=label)
         ax_rss.plot(times, [(row['api_server_rss_mb'] or 0) + (row['engine_rss_mb'] or 0) for row in mine], label=label)
-    ax_sessions.set_ylabel('scheduler sessions')
-    ax_rss.set_ylabel('RSS MB (api_server + engine)')
-    ax_rss.set_xlabel('seconds')
+    fig.suptitle('soak: per-node state sampled from the sim state endpoint')
+    ax_sessions.set_title('sessions held in the scheduler, per node')
+    ax_sessions.set_ylabel('sessions')
+    ax_rss.set_title('resident memory: api_server + engine processes')
+    ax_rss.set_ylabel('RSS (MiB)')  # _mb divides by 2**20
+    ax_rss.set_xlabel('seconds since sampling began')
     ax_sessions.legend()
+    ax_rss.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -184,19 +235,26 @@ SETTLE_S = 30.0  # how long the Prefill may take to release the last caches afte
 AFTERWARDS = 10  # requests that must all be exact once the chaos is over
 
 
-def run_chaos(args: argparse.Namespace, nodes: dict[str, str],
-              restart_decode: Callable[[], None] | None) -> dict[str, Any]:
+def run_chaos(args: argparse.Namespace, nodes: dict[str, str], restart_decode: Callable[[], None] | None,
+              progress: LoadProgress | None = None) -> dict[str, Any]:
     """The chaos load, then the operator's checks; the summary's ``clean`` says whether all passed.
 
-    ``nodes``: url → role; ``restart_decode`` kills and restarts the Decode node ``args.decode_restarts`` times.
+    ``nodes``: url → role; ``restart_decode`` kills and restarts the Decode node ``args.decode_restarts`` times;
+    ``progress`` counts each request of the load (an error: a normal request without its exact answer).
     """
     baseline = {url: _sessions(url) for url, role in nodes.items() if role == 'Prefill'}
     restarts = None
     if restart_decode is not None and args.decode_restarts > 0:
         restarts = chaos.DecodeRestarts(restart_decode, args.decode_restarts, args.requests, args.seed)
     planned = chaos.plan(args.requests, args.fault_rate, args.seed)
-    outcomes, elapsed = chaos.run_load(lambda i: chaos.send(args.proxy, i, planned[i], args.max_tokens),
-                                       args.requests, args.concurrency, restarts)
+
+    def send(index: int) -> chaos.Outcome:
+        outcome = chaos.send(args.proxy, index, planned[index], args.max_tokens)
+        if progress is not None:
+            progress.count(failed=outcome.normal and not outcome.exact)
+        return outcome
+
+    outcomes, elapsed = chaos.run_load(send, args.requests, args.concurrency, restarts)
     summary = chaos.summarize(outcomes)
     left = _sessions_left(baseline)
     unhealthy = _unhealthy_nodes(args.proxy, nodes)
@@ -274,10 +332,12 @@ def main(argv: list[str]) -> int:
         return 2
     sampler = Sampler(discover_nodes(args.proxy), args.sample_every)
     sampler.start()
-    try:
-        results, elapsed = run_load(args, kinds)
-    finally:
-        sampler.stop()
+    progress = LoadProgress(args.requests, sampler.prefill_sessions)
+    with live(progress.render):  # closed after the last sample: the final line shows what the load left behind
+        try:
+            results, elapsed = run_load(args, kinds, progress)
+        finally:
+            sampler.stop()
     summary = summarize(results, elapsed, text_check=not args.no_text_check)
     for key, value in summary.items():
         print(f'{key:>15}: {value}')
@@ -297,10 +357,12 @@ def _main_chaos(args: argparse.Namespace) -> int:
     restart = _recorded_decode_restart(args.cluster_file) if args.decode_restarts > 0 else None
     sampler = Sampler(discover_nodes(args.proxy), args.sample_every)
     sampler.start()
-    try:
-        summary = run_chaos(args, sampler.nodes, restart)
-    finally:
-        sampler.stop()
+    progress = LoadProgress(args.requests, sampler.prefill_sessions)
+    with live(progress.render):  # through the settling too: the Prefill sessions falling to 0 is the check
+        try:
+            summary = run_chaos(args, sampler.nodes, restart, progress)
+        finally:
+            sampler.stop()
     summary['samples'] = str(write_samples(sampler.rows, args.out)[0])
     print(json.dumps(summary, indent=2))
     return 0 if summary['clean'] else 1

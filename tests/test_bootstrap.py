@@ -235,17 +235,16 @@ def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_appli
     code = textwrap.dedent(f"""
         import importlib, json
         import lmdeploy.pytorch.engine.engine  # LMDeploy's own import order: engine_conn alone is circular
-        from lmdeploy_pdfix.sim.misshape import misshape, owner_of
+        from lmdeploy_pdfix.sim.misshape import is_untouched, misshape
         module = importlib.import_module({module_name!r})
         misshapen = misshape(module, {path!r})
         import lmdeploy_pdfix
         lmdeploy_pdfix.install()
         from lmdeploy_pdfix.cli import status_report
         rows = status_report()['patches']
-        owner, attribute = owner_of(module, {path!r})
         print(json.dumps({{'states': {{row['name']: row['state'] for row in rows}},
                            'reasons': {{row['name']: row['reason'] for row in rows}},
-                           'untouched': getattr(owner, attribute) is misshapen}}))
+                           'untouched': is_untouched(module, {path!r}, misshapen)}}))
     """)
     result = run_python(code, tmp_path)
     report = last_json(result)

@@ -22,3 +22,16 @@ def test_status_json_is_the_whole_of_stdout_and_names_every_unit() -> None:
     assert [row['name'] for row in report['patches']] == [spec.name for spec in PATCHES]
     assert {row['state'] for row in report['patches']} == {'applied'}, report['patches']
     assert run.returncode == 0
+
+
+def test_a_unit_whose_optional_dependency_is_missing_is_not_applicable_not_refused() -> None:
+    # Ray is optional for LMDeploy: without it ray_workers_env has nothing to fix, which is no failure of status
+    code = ("import sys; sys.modules['ray'] = None\n"  # what an interpreter without Ray finds
+            "from lmdeploy_pdfix.cli import main\nraise SystemExit(main(['status', '--json']))")
+    env = {**os.environ, 'LMDEPLOY_PDFIX': '1', 'PYTHONPATH': str(REPO)}
+    run = subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300, check=False)
+    rows = {row['name']: row for row in json.loads(run.stdout)['patches']}
+    assert rows['ray_workers_env']['state'] == 'not applicable'
+    assert rows['ray_workers_env']['reason'].startswith('ray is not installed')
+    assert run.returncode == 0

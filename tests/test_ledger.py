@@ -51,7 +51,10 @@ def test_audit_reports_books_by_state_age_cause_and_rejection() -> None:
     record = ledger.open(1, 'p', 'd')
     record.state = RecordState.MIGRATING
     ledger.close(ledger.open(2, 'p', 'd'), ReleaseCause.COMPENSATED)
+    ledger.release_failed(ledger.open(3, 'q', 'd'), ReleaseCause.GC)
     ledger.reject('PrefillAnswerError')
     audit = ledger.audit(now=record.opened_at + 2.5)
-    assert audit == {'open': 1, 'open_by_state': {'migrating': 1}, 'oldest_age_s': 2.5,
-                     'releases': {'compensated': 1}, 'owner_rejections': {'PrefillAnswerError': 1}}
+    assert audit == {'open': 2, 'open_by_state': {'migrating': 1, 'release_failed': 1},
+                     'open_by_prefill': {'p': 1, 'q': 1}, 'oldest_age_s': 2.5,
+                     'releases': {'compensated': 1}, 'owner_rejections': {'PrefillAnswerError': 1},
+                     'release_failures': {'gc': 1}}

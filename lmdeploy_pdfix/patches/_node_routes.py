@@ -31,7 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lmdeploy_pdfix.owner_ids import is_owner_id
-from lmdeploy_pdfix.patching import PatchState, warn, warn_once
+from lmdeploy_pdfix.patching import PatchState, installation, warn, warn_once
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
@@ -59,6 +59,7 @@ class NodeBooks:
     def __init__(self) -> None:
         self.linked_peers: set[str] = set()
         self.refused_migrations: Counter[str] = Counter()
+        self.server_context: Any = None  # LMDeploy's, once its distserve routes are registered
 
 
 NODE = NodeBooks()
@@ -113,11 +114,18 @@ def add_node_routes(router: Any, server_context: Any) -> None:
             return JSONResponse({'status': Verdict.REFUSED.value, 'detail': detail}, HTTPStatus.BAD_REQUEST)
         return await _engine_answer(server_context, _CLAIM_STATUS, 'pdfix_claim_preserved', owner, block_ids)
 
+    NODE.server_context = server_context
+
     @router.get(AUDIT_PATH)
     async def pdfix_audit() -> dict[str, Any]:
-        engine = await engine_call(server_context.async_engine, 'pdfix_audit')
-        return {**engine, 'refused_migration_requests': dict(NODE.refused_migrations),
-                'linked_peers': sorted(NODE.linked_peers)}
+        return {**await node_audit(), 'software': installation()}
+
+
+async def node_audit() -> dict[str, Any]:
+    """The engine's book of preserved caches, with this api_server's refused migrations and links."""
+    engine = await engine_call(NODE.server_context.async_engine, 'pdfix_audit')
+    return {**engine, 'refused_migration_requests': dict(NODE.refused_migrations),
+            'linked_peers': sorted(NODE.linked_peers)}
 
 
 async def _engine_answer(server_context: Any, statuses: dict[str, int], method: str, *args: Any) -> JSONResponse:

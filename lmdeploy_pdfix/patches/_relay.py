@@ -12,7 +12,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import ModuleType
@@ -28,6 +28,7 @@ from lmdeploy_pdfix.patching import lmdeploy_logger, warn
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
+    CLIENT_CLOSED_REQUEST,
     CREDENTIALS_HINT,
     FIX_HINT,
     FREE_PATH,
@@ -43,7 +44,6 @@ from lmdeploy_pdfix.protocol import (
 
 RELEASE_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.2
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that went away; nobody reads it
 PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
@@ -73,8 +73,19 @@ async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause,
     """Free ``record``'s Prefill session and close it; a failed free stays on the books for gc."""
     if await free_prefill_session(record.p_url, record.owner, reason):
         return ledger.close(record, cause)
-    record.state = RecordState.RELEASE_FAILED
+    ledger.release_failed(record, cause)
     return False
+
+
+class RelayObserver:
+    """What the relay reports of each request; this one drops it (``proxy_metrics`` puts in one that counts)."""
+
+    def phase(self, name: str, seconds: float) -> None:
+        """``seconds`` spent in one phase: probe, prefill, link, decode_first_byte."""
+
+    def finished(self, route: str, status: int, seconds: float) -> None:
+        """A request to ``route`` ended with the ``status`` its client got (499: the client left) after
+        ``seconds`` in all."""
 
 
 class NodeGoneError(aiohttp.ClientConnectionError):
@@ -89,9 +100,11 @@ class _Relay:
     path: str
     ledger: OwnerLedger
     credentials: dict[str, str]  # headers of the calls made for the client (see forwarded_credentials)
+    observer: RelayObserver
     p_url: str = ''
     d_url: str = ''
     record: OwnerRecord | None = None
+    _decode_started: float | None = None
 
     @property
     def nodes(self):
@@ -103,6 +116,23 @@ class _Relay:
         if self.owner is not None:  # the client never saw the internal owner id; a relayed node message may name it
             message = re.sub(rf'\b{self.owner}\b', '(the retained cache)', message)
         return self.proxy.create_error_response(status, message)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observer.phase(name, time.perf_counter() - started)
+
+    def decode_started(self) -> None:
+        self._decode_started = time.perf_counter()
+
+    def decode_answered(self) -> None:
+        """The Decode node's first byte (a whole answer, or a stream's first event) reached the proxy."""
+        started, self._decode_started = self._decode_started, None
+        if started is not None:
+            self.observer.phase('decode_first_byte', time.perf_counter() - started)
 
     def begin_call(self, url: str) -> float:
         """Count a call to ``url`` in the proxy's books (``pre_call``); pair it with ``nodes.post_call``."""
@@ -335,7 +365,9 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
 
 async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:
     try:
+        relay.decode_started()
         status, text = await relay.post(relay.d_url, decode_request)
+        relay.decode_answered()
         body = json.loads(text) if status == HTTPStatus.OK else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         await relay.release('Decode failed')
@@ -353,8 +385,9 @@ class _DecodeStream(StreamingResponse):
     def __init__(self, relay: _Relay, session: aiohttp.ClientSession, response: aiohttp.ClientResponse,
                  settle: Callable[[bool], Any]) -> None:
         self._session, self._response, self._settle = session, response, settle
-        self._d_url = relay.d_url
+        self._relay = relay
         self._migrated = False
+        self.failed = False  # the Decode failed mid-stream: the client got an error event
         self._settled = False
         super().__init__(self._events(), media_type='text/event-stream')
 
@@ -364,12 +397,14 @@ class _DecodeStream(StreamingResponse):
                 yield event
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # The Decode died mid-stream: end the client's stream with an error event, as LMDeploy's own do.
-            error = {'message': f'Decode node {self._d_url} failed mid-stream: {exc!r}', 'type': 'server_error',
-                     'code': HTTPStatus.BAD_GATEWAY.value}
+            self.failed = True
+            error = {'message': f'Decode node {self._relay.d_url} failed mid-stream: {exc!r}',
+                     'type': 'server_error', 'code': HTTPStatus.BAD_GATEWAY.value}
             yield f'data: {json.dumps({"error": error})}\n\ndata: [DONE]\n\n'.encode()
 
     async def _decode_events(self) -> AsyncIterator[bytes]:
         async for line in self._response.content:
+            self._relay.decode_answered()
             line = line.strip()
             # The Decode streams tokens only once it copied the cache and freed the Prefill session.
             self._migrated = self._migrated or (line.startswith(b'data: {') and b'"choices"' in line)
@@ -406,6 +441,7 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
         await relay.release('Decode gone')
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
     session = aiohttp.ClientSession(timeout=relay.nodes.aiotimeout)
+    relay.decode_started()
 
     async def settle(migrated: bool) -> None:
         relay.nodes.post_call(relay.d_url, start)
@@ -429,28 +465,52 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
 
 
 async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request,
-                          credentials: dict[str, str]) -> Any:
+                          credentials: dict[str, str], observer: RelayObserver) -> Any:
     """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
     request_dict = request.model_dump()
     problem = _unsupported(request_dict)
     if problem is not None:
         return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
+
+    def new_relay() -> _Relay:
+        return _Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials, observer=observer)
+
     if not _is_batch(request_dict):
-        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), request_dict)
+        return await _relay_one(new_relay(), request_dict)
     singles = split_prompts(request_dict)
     if request_dict.get('stream'):  # a list of one prompt (longer ones are refused above): that prompt's stream
-        return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), singles[0])
+        return await _relay_one(new_relay(), singles[0])
     fan_out = asyncio.Semaphore(settings.PROMPTS_IN_FLIGHT)
 
     async def relay_bounded(single: dict[str, Any]) -> JSONResponse | StreamingResponse:
         async with fan_out:
-            return await _relay_one(_Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials), single)
+            return await _relay_one(new_relay(), single)
 
     answers = await asyncio.gather(*(relay_bounded(single) for single in singles))
     failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)
     if failed is not None:
         return failed  # every prompt's relay has settled its own cache already
     return JSONResponse(merge_completions([json.loads(answer.body) for answer in answers]))
+
+
+def observed(answer: Any, observer: RelayObserver, route: str, started: float) -> Any:
+    """``answer``, reported to ``observer`` once its client has it all: at once, or when its stream ends."""
+    if isinstance(answer, StreamingResponse) and answer.status_code == HTTPStatus.OK:
+        answer.body_iterator = _reported_at_end(answer, answer.body_iterator, observer, route, started)
+    else:
+        observer.finished(route, answer.status_code, time.perf_counter() - started)
+    return answer
+
+
+async def _reported_at_end(answer: StreamingResponse, events: AsyncIterator[Any], observer: RelayObserver,
+                           route: str, started: float) -> AsyncIterator[Any]:
+    status = CLIENT_CLOSED_REQUEST  # unless the stream runs to its end
+    try:
+        async for event in events:
+            yield event
+        status = HTTPStatus.BAD_GATEWAY if getattr(answer, 'failed', False) else HTTPStatus.OK
+    finally:
+        observer.finished(route, status, time.perf_counter() - started)
 
 
 async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
@@ -492,15 +552,18 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
     if not relay.p_url or not relay.d_url:
         missing = 'Prefill' if not relay.p_url else 'Decode'
         return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
-    refused = await _refuse_unfixed_prefill(relay)
+    with relay.phase('probe'):
+        refused = await _refuse_unfixed_prefill(relay)
     if refused is not None:
         return refused
-    answer = await _prefill(relay, request_dict)
+    with relay.phase('prefill'):
+        answer = await _prefill(relay, request_dict)
     if isinstance(answer, JSONResponse):
         return answer
     if isinstance(answer, _FinishedAtPrefill):
         return answer.response(relay.path, bool(request_dict.get('stream')))
-    problem = await _connect(relay)
+    with relay.phase('link'):
+        problem = await _connect(relay)
     if problem is not None:
         await relay.release('connection failed')
         return relay.error(HTTPStatus.BAD_GATEWAY, problem)

@@ -12,6 +12,7 @@ node's status as it is. It also makes ``POST /distserve/gc`` work (D17) and adds
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections import Counter
 from types import ModuleType
@@ -20,6 +21,8 @@ from typing import Any
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.ledger import OwnerLedger, ReleaseCause
 from lmdeploy_pdfix.patches._relay import (
+    RelayObserver,
+    observed,
     relay_distserve,
     release,
     until_client_leaves,
@@ -28,6 +31,7 @@ from lmdeploy_pdfix.patches._routes import find_post_route, restore_route, swap_
 from lmdeploy_pdfix.patching import (
     Patch,
     first_problem,
+    installation,
     signature_problem,
 )
 from lmdeploy_pdfix.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH, forwarded_credentials
@@ -38,9 +42,10 @@ NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config'
                       'dummy_prefill', 'serving_strategy')
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
 GC_AGE_S = settings.GC_AGE_S.value()
+HEARTBEAT_MODULE = 'lmdeploy_pdfix.patches.proxy_heartbeat'
 
 
-def _relaying_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger):
+def _relaying_distserve(proxy: ModuleType, path: str, patch: ProxyDistServePatch):
     def make_endpoint(original):
         async def endpoint(request, raw_request=None):
             nodes = proxy.node_manager
@@ -49,8 +54,11 @@ def _relaying_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger):
             rejected = await nodes.check_request_model(request.model)
             if rejected is not None:
                 return rejected
+            started, observer = time.perf_counter(), patch.observer
             credentials = forwarded_credentials(getattr(raw_request, 'headers', None))
-            return await until_client_leaves(raw_request, relay_distserve(proxy, path, ledger, request, credentials))
+            answer = await until_client_leaves(
+                raw_request, relay_distserve(proxy, path, patch.ledger, request, credentials, observer))
+            return observed(answer, observer, path, started)
 
         return endpoint
 
@@ -84,6 +92,7 @@ class ProxyDistServePatch(Patch):
         super().__init__()
         self._originals: list[Any] = []
         self.ledger = OwnerLedger()
+        self.observer = RelayObserver()  # proxy_metrics puts in one that counts
 
     def shape_problem(self, module: ModuleType) -> str | None:
         missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
@@ -116,13 +125,17 @@ class ProxyDistServePatch(Patch):
         self.ledger = OwnerLedger()
         routes = module.app.router.routes
         for path in (CHAT_PATH, COMPLETIONS_PATH):
-            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self.ledger)))
+            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self)))
         self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, self.ledger)))
         module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
 
     def audit(self) -> dict[str, Any]:
-        """The proxy's books: open records by state, oldest age, releases by cause, owner rejections."""
-        return self.ledger.audit(time.monotonic())
+        """The proxy's books (open records by state, oldest age, releases by cause, owner rejections), the nodes
+        its heartbeat removed, and what it runs."""
+        heartbeat = sys.modules.get(HEARTBEAT_MODULE)
+        removed = heartbeat.PATCH.removed_nodes.snapshot() if heartbeat is not None else {}
+        removed_roles = {url: getattr(getattr(status, 'role', None), 'name', None) for url, status in removed.items()}
+        return {**self.ledger.audit(time.monotonic()), 'removed_nodes': removed_roles, 'software': installation()}
 
     def _revert(self, module: ModuleType) -> None:
         routes = module.app.router.routes

@@ -1,7 +1,7 @@
 """``lmdeploy-pdfix sim up|status|down``: a GPU-free DistServe cluster that outlives the command.
 
 ``up`` records what it started in ``.sim/cluster.json`` under the current directory; ``down`` stops exactly
-those process groups.
+those process groups. On a terminal ``up`` shows a live line on stderr while the cluster starts.
 """
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+from lmdeploy_pdfix.progress import live
 from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, stop_processes
 
 STATE_DIR = Path('.sim')
@@ -42,7 +45,9 @@ def _up(args: argparse.Namespace) -> int:
                            max_prefill_token_num=args.max_prefill_token_num, num_blocks=args.num_blocks,
                            log_dir=args.log_dir, model_dir=STATE_DIR / 'model',
                            drop_kv_on_decode=args.drop_kv_on_decode, python=args.python)
-    cluster = Cluster(config).start()
+    cluster = Cluster(config)
+    with live(_starting_line(cluster)):
+        cluster.start()
     STATE_FILE.write_text(json.dumps(cluster.to_json(), indent=1))
     print(f'proxy   {cluster.proxy_url}')
     for proc in cluster.processes[1:]:
@@ -50,6 +55,13 @@ def _up(args: argparse.Namespace) -> int:
     print(f'{"stock" if config.stock else "patched"} cluster healthy in {cluster.startup_s:.1f} s; '
           f'state in {STATE_FILE}')
     return 0
+
+
+def _starting_line(cluster: Cluster) -> Callable[[], str]:
+    """``starting: 2/3 processes spawned, 41 s``; spawned, not healthy: ``start()`` reports no more than that."""
+    expected = 1 + cluster.config.prefill + cluster.config.decode  # the proxy, then every node
+    began = time.monotonic()
+    return lambda: f'starting: {len(cluster.processes)}/{expected} processes spawned, {time.monotonic() - began:.0f} s'
 
 
 def _load() -> Cluster | None:

@@ -16,8 +16,11 @@ from lmdeploy_pdfix._import_hooks import when_imported
 
 MISSHAPE_ENV = 'LMDEPLOY_PDFIX_SIM_MISSHAPE'
 
-# proxy_distserve declares only its routes, which no guard can misread; it checks this function too
-_CHECKED_FUNCTION = {'proxy_distserve': 'lmdeploy.serve.proxy.proxy:NodeManager.get_node_url'}
+# proxy_distserve declares only its routes, which no guard can misread; it checks this function too.
+# proxy_metrics reads no function of LMDeploy: what would stop it is an upstream proxy serving /metrics itself
+# ('app@/metrics': the app already serves that route).
+_CHECKED_FUNCTION = {'proxy_distserve': 'lmdeploy.serve.proxy.proxy:NodeManager.get_node_url',
+                     'proxy_metrics': 'lmdeploy.serve.proxy.proxy:app@/metrics'}
 
 
 def misshapen_target(unit: str) -> str:
@@ -39,7 +42,12 @@ def owner_of(module: ModuleType, path: str) -> tuple[Any, str]:
 
 
 def misshape(module: ModuleType, path: str) -> Any:
-    """Put a ``(*args, **kwargs)`` passthrough in place of ``module:path``; returns the passthrough."""
+    """Put a ``(*args, **kwargs)`` passthrough in place of ``module:path``; returns the passthrough.
+
+    ``app@/route``: the app serves ``GET /route`` already, by the returned endpoint.
+    """
+    if '@' in path:
+        return _served_upstream(module, path)
     owner, attribute = owner_of(module, path)
     original = getattr(owner, attribute)
 
@@ -48,6 +56,26 @@ def misshape(module: ModuleType, path: str) -> Any:
 
     setattr(owner, attribute, misshapen)
     return misshapen
+
+
+def _served_upstream(module: ModuleType, path: str) -> Any:
+    app_name, route = path.split('@')
+
+    async def served_upstream() -> dict[str, str]:
+        return {}
+
+    getattr(module, app_name).add_api_route(route, served_upstream, methods=['GET'])
+    return served_upstream
+
+
+def is_untouched(module: ModuleType, path: str, misshapen: Any) -> bool:
+    """Whether what :func:`misshape` put at ``path`` is still all there is (no unit wrapped or joined it)."""
+    if '@' in path:
+        app_name, route = path.split('@')
+        routes = getattr(module, app_name).router.routes
+        return [getattr(r, 'endpoint', None) for r in routes if getattr(r, 'path', None) == route] == [misshapen]
+    owner, attribute = owner_of(module, path)
+    return getattr(owner, attribute) is misshapen
 
 
 def activate() -> None:
@@ -59,4 +87,4 @@ def activate() -> None:
     when_imported(module_name, lambda module: misshape(module, path), first=True)
 
 
-__all__ = ['MISSHAPE_ENV', 'activate', 'misshape', 'misshapen_target', 'owner_of']
+__all__ = ['MISSHAPE_ENV', 'activate', 'is_untouched', 'misshape', 'misshapen_target', 'owner_of']
