@@ -158,7 +158,8 @@ def print_table(report: Report) -> None:
           f"lmdeploy-pdfix {software.get('lmdeploy_pdfix', 'absent')}")
     if report.proxy_books is not None:
         books = report.proxy_books
-        print(f"  open records {books.get('open', 0)} {books.get('open_by_state') or {}}, "
+        states = ', '.join(f'{count} {state}' for state, count in sorted((books.get('open_by_state') or {}).items()))
+        print(f"  open records: {books.get('open', 0)}{f' ({states})' if states else ''}, "
               f"oldest {books.get('oldest_age_s', 0.0):.1f} s")
     header = ('node', 'role', 'lmdeploy', 'pdfix', 'units', 'preserved', 'oldest_s', 'open', 'links')
     table = [header] + [_cells(row) for row in report.nodes]

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, FREE_PATH
-from lmdeploy_pdfix.sim import client
+from lmdeploy_pdfix.sim import client, faults
 from lmdeploy_pdfix.sim.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
@@ -92,6 +92,16 @@ def test_node_metrics_follow_preserved_caches_claims_and_refusals(patched_cluste
     assert value(p_after, 'lmdeploy_pdfix_preserved_caches', state='unclaimed') == 0
     assert moved(p_held, p_after, 'lmdeploy_pdfix_preserved_cache_releases_total', cause='freed') == 1
     assert moved(p_held, p_after, 'lmdeploy_pdfix_frees_not_released_total', reason='unknown') == 1
+
+
+def test_node_metrics_count_a_failed_migration(patched_cluster: Cluster) -> None:
+    decode = patched_cluster.decode_urls[0]
+    before = scrape(decode)
+    patched_cluster.arm_fault(decode, faults.MIGRATE_ERROR)  # the next KV transfer fails, as a dropped link would
+    assert client.request(patched_cluster.proxy_url, 'completions', client.prompt_for(40)).status >= 500
+    after = scrape(decode)
+    assert moved(before, after, 'lmdeploy_pdfix_migration_failures_total', reason='InjectedFault') == 1
+    assert client.request(patched_cluster.proxy_url, 'completions', client.prompt_for(41)).ok
 
 
 def test_proxy_metrics_count_requests_and_phases_of_the_real_proxy(patched_cluster: Cluster) -> None:
