@@ -85,6 +85,13 @@ ZMQ_SEND_TIMEOUT_S = Number(
     patches=('engine_connections',),
     help='a free message the Prefill cannot take by then fails that request (the proxy then frees the cache)')
 
+KEEPALIVE_S = Number(
+    'LMDEPLOY_PDFIX_KEEPALIVE_S', 4.0, minimum=0.0, maximum=4.9, node='proxy and Decode',
+    patches=('proxy_distserve', 'decode_migration_checks'),
+    help="how long a pooled connection to a node stays open idle for the next call (the proxy's relay, "
+         "frees and probes, the Decode's claims); below uvicorn's 5 s keep-alive, so a node never closes one under "
+         "a call; 0 opens a connection per call")
+
 PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 MAX_PROMPTS = Number(
     'LMDEPLOY_PDFIX_MAX_PROMPTS', 64, minimum=1, maximum=100_000, node='proxy', patches=('proxy_distserve',),
@@ -93,7 +100,7 @@ MAX_PROMPTS = Number(
                      'at a time')
 
 NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
-                               MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS)
+                               MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS, KEEPALIVE_S)
 
 # covers the hop from a Decode's claim to its engine, which counts the lease from the request's arrival
 _CLAIM_HOP_MARGIN_S = 30.0

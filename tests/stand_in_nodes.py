@@ -51,6 +51,7 @@ class PrefillBook:
     owner_of_prompt: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0
     most_in_flight: int = 0
+    client_ports: set[int] = field(default_factory=set)  # one per TCP connection the node was called on
     _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
 
     def free(self, owner: Any) -> None:
@@ -66,6 +67,27 @@ class DecodeBook:
     answer: str = 'ok'  # ok | error | refuses (names the owner) | slow | dies (mid-stream)
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
+    client_ports: set[int] = field(default_factory=set)
+
+
+def _new_app(book: PrefillBook | DecodeBook) -> FastAPI:
+    """An app that notes the client port of every call, so a test can count the connections it came on."""
+    app = FastAPI()
+    app.add_middleware(_NotingConnections, book=book)
+    _add_handshake(app)
+    return app
+
+
+class _NotingConnections:
+    """Plain ASGI (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoints)."""
+
+    def __init__(self, app, book: PrefillBook | DecodeBook) -> None:
+        self.app, self.book = app, book
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope['type'] == 'http':
+            self.book.client_ports.add(scope['client'][1])
+        await self.app(scope, receive, send)
 
 
 def _add_handshake(app: FastAPI) -> None:
@@ -90,8 +112,7 @@ def _add_handshake(app: FastAPI) -> None:
 
 
 def prefill_app(book: PrefillBook) -> FastAPI:
-    app = FastAPI()
-    _add_handshake(app)
+    app = _new_app(book)
     if book.fixed:
         app.get(CAPABILITIES_PATH)(lambda: JSONResponse({'cache_owner': True} if book.probe_status == 200 else
                                                         {'error': 'Unauthorized'}, status_code=book.probe_status))
@@ -146,8 +167,7 @@ def prefill_app(book: PrefillBook) -> FastAPI:
 
 
 def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
-    app = FastAPI()
-    _add_handshake(app)
+    app = _new_app(book)
 
     async def decode(request: Request):
         body = await request.json()

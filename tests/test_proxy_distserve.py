@@ -73,6 +73,20 @@ async def test_streamed_chat_relays_the_decode_stream_and_releases_nothing_twice
 
 
 @pytest.mark.regression
+async def test_the_proxy_reuses_its_connections_to_the_nodes(distserve: Cluster) -> None:
+    """A connection per call costs a TCP handshake and teardown on every hop; the proxy keeps a pool instead."""
+    assert (await distserve.post('/v1/completions', COMPLETION)).status_code == 200  # links the pair
+    distserve.prefill.client_ports.clear()
+    distserve.decode.client_ports.clear()
+    for i in range(12):
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.post(distserve.url + '/v1/completions', json={**COMPLETION, 'stream': i % 2 == 1})
+        assert response.status_code == 200
+    assert len(distserve.prefill.client_ports) <= 2 and len(distserve.decode.client_ports) <= 2
+    assert distserve.prefill.retained == set() and distserve.prefill.invalid_frees == []
+
+
+@pytest.mark.regression
 async def test_32_concurrent_mixed_requests_all_succeed_with_their_own_owner(distserve: Cluster) -> None:
     bodies = [(('/v1/chat/completions', CHAT), ('/v1/completions', COMPLETION),
                ('/v1/completions', {**COMPLETION, 'stream': True}))[i % 3] for i in range(32)]

@@ -31,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lmdeploy_pdfix.owner_ids import is_owner_id
+from lmdeploy_pdfix.patches._client import node_client
 from lmdeploy_pdfix.patching import PatchState, installation, warn, warn_once
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
@@ -206,10 +207,9 @@ def _refused(status: int, problem: str, error_response) -> JSONResponse:
 
 async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, str | None]:
     try:
-        timeout = aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session, \
-                session.post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids},
-                             headers=node_credentials()) as response:
+        async with node_client().post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids},
+                                      headers=node_credentials(),
+                                      timeout=aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)) as response:
             status, text = response.status, await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'

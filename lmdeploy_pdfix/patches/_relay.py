@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
+from lmdeploy_pdfix.patches._client import node_client
 from lmdeploy_pdfix.patching import lmdeploy_logger, warn
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
@@ -56,9 +57,9 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
 
     free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as session, \
-                session.post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
-                             headers=node_credentials()) as response:
+        async with node_client().post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
+                                      headers=node_credentials(),
+                                      timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as response:
             await response.read()
             if response.status == HTTPStatus.OK:
                 return True
@@ -144,8 +145,8 @@ class _Relay:
         """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
         start = self.begin_call(url)
         try:
-            async with aiohttp.ClientSession(timeout=self.nodes.aiotimeout) as session, \
-                    session.post(url + self.path, json=payload, headers=self.credentials) as response:
+            async with node_client().post(url + self.path, json=payload, headers=self.credentials,
+                                          timeout=self.nodes.aiotimeout) as response:
                 return response.status, await response.text()
         finally:
             self.nodes.post_call(url, start)
@@ -188,8 +189,8 @@ class _CapabilityProbe:
         if known is not None and time.monotonic() < known[1]:
             return known[0]
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as session, \
-                    session.get(url + CAPABILITIES_PATH, headers=node_credentials()) as response:
+            async with node_client().get(url + CAPABILITIES_PATH, headers=node_credentials(),
+                                         timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
                 if refused_credentials(response.status):
                     raise NodeCredentialsRefusedError(f'HTTP {response.status}')
                 body = await response.json(content_type=None) if response.status == HTTPStatus.OK else {}
@@ -382,9 +383,8 @@ async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse
 class _DecodeStream(StreamingResponse):
     """Relays the Decode node's event stream; whatever ends it, the relay is settled exactly once."""
 
-    def __init__(self, relay: _Relay, session: aiohttp.ClientSession, response: aiohttp.ClientResponse,
-                 settle: Callable[[bool], Any]) -> None:
-        self._session, self._response, self._settle = session, response, settle
+    def __init__(self, relay: _Relay, response: aiohttp.ClientResponse, settle: Callable[[bool], Any]) -> None:
+        self._response, self._settle = response, settle
         self._relay = relay
         self._migrated = False
         self.failed = False  # the Decode failed mid-stream: the client got an error event
@@ -429,8 +429,11 @@ class _DecodeStream(StreamingResponse):
         await asyncio.shield(self._close_and_settle())
 
     async def _close_and_settle(self) -> None:
-        self._response.release()
-        await self._session.close()
+        # a stream read to its end leaves its connection clean for the pool; one cut short does not
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
         await self._settle(self._migrated)
 
 
@@ -440,7 +443,6 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
     except NodeGoneError as exc:
         await relay.release('Decode gone')
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
-    session = aiohttp.ClientSession(timeout=relay.nodes.aiotimeout)
     relay.decode_started()
 
     async def settle(migrated: bool) -> None:
@@ -451,12 +453,12 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
             await relay.release('Decode stream ended before any token')
 
     try:
-        response = await session.post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials)
+        response = await node_client().post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials,
+                                            timeout=relay.nodes.aiotimeout)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        await session.close()
         await settle(False)
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
-    stream = _DecodeStream(relay, session, response, settle)
+    stream = _DecodeStream(relay, response, settle)
     if response.status != HTTPStatus.OK:
         text = await response.text()
         await stream.settle()

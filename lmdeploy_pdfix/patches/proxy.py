@@ -20,6 +20,7 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.ledger import OwnerLedger, ReleaseCause
+from lmdeploy_pdfix.patches._client import close_node_client
 from lmdeploy_pdfix.patches._relay import (
     RelayObserver,
     observed,
@@ -100,6 +101,8 @@ class ProxyDistServePatch(Patch):
                    if not hasattr(module, name)]
         if missing:
             return f'missing {", ".join(missing)}'
+        if not isinstance(getattr(module.app.router, 'on_shutdown', None), list):
+            return 'the proxy app has no on_shutdown list'
         routes = [path for path in (CHAT_PATH, COMPLETIONS_PATH, GC_PATH)
                   if find_post_route(module.app.router.routes, path)]
         if len(routes) != 3:
@@ -128,6 +131,7 @@ class ProxyDistServePatch(Patch):
             self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self)))
         self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, self.ledger)))
         module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
+        module.app.router.on_shutdown.append(close_node_client)
 
     def audit(self) -> dict[str, Any]:
         """The proxy's books (open records by state, oldest age, releases by cause, owner rejections), the nodes
@@ -142,6 +146,7 @@ class ProxyDistServePatch(Patch):
         while self._originals:
             restore_route(routes, self._originals.pop())
         routes[:] = [route for route in routes if getattr(route, 'path', None) != AUDIT_PATH]
+        module.app.router.on_shutdown.remove(close_node_client)
 
 
 PATCH = ProxyDistServePatch()
