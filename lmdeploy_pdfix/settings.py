@@ -89,8 +89,8 @@ KEEPALIVE_S = Number(
     'LMDEPLOY_PDFIX_KEEPALIVE_S', 4.0, minimum=0.0, maximum=4.9, node='proxy and Decode',
     patches=('proxy_distserve', 'decode_migration_checks'),
     help="how long a pooled connection to a node stays open idle for the next call (the proxy's relay, "
-         "frees and probes, the Decode's claims); below uvicorn's 5 s keep-alive, so a node never closes one under "
-         "a call; 0 opens a connection per call")
+         "frees and probes, the Decode's claims); keep it below the nodes' `UVICORN_TIMEOUT_KEEP_ALIVE` (LMDeploy's "
+         "default 5 s), so a node never closes one under a call; 0 opens a connection per call")
 
 PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 MAX_PROMPTS = Number(
