@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from http import HTTPStatus
 
 import aiohttp
 
 from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.patching import warn
+from lmdeploy_pdfix.protocol import FREE_PATH, credentials_hint, node_credentials
 
+RELEASE_TIMEOUT_S = 10.0
 CONNECTION_LIMIT = 512  # per client: far above what one proxy or Decode keeps in flight to its peers
 
 _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
@@ -36,3 +40,22 @@ async def close_node_client() -> None:
     client = _CLIENTS.pop(asyncio.get_running_loop(), None)
     if client is not None:
         await client.close()
+
+
+async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
+    """Ask the Prefill node to end the session holding ``owner``'s cache; True once it answered 200."""
+    from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
+
+    free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
+    try:
+        async with node_client().post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
+                                      headers=node_credentials(),
+                                      timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as response:
+            await response.read()
+            if response.status == HTTPStatus.OK:
+                return True
+            problem = f'HTTP {response.status}{credentials_hint(response.status)}'
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        problem = repr(exc)
+    warn(f'releasing Prefill session {owner} on {p_url} ({reason}) failed: {problem}')
+    return False

@@ -24,50 +24,28 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
-from lmdeploy_pdfix.patches._client import node_client
-from lmdeploy_pdfix.patching import lmdeploy_logger, warn
+from lmdeploy_pdfix.patches._client import free_prefill_session, node_client
+from lmdeploy_pdfix.patching import lmdeploy_logger
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
     CLIENT_CLOSED_REQUEST,
     CREDENTIALS_HINT,
     FIX_HINT,
-    FREE_PATH,
     PREFILL_FINISHED_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
-    credentials_hint,
     is_finished_at_prefill,
     node_credentials,
     parse_prefill_answer,
     refused_credentials,
 )
 
-RELEASE_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.2
 PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
 PROBE_TTL_S = {True: 60.0, False: 5.0}
-
-
-async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
-    """Ask the Prefill node to end the session holding ``owner``'s cache; True once it answered 200."""
-    from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
-
-    free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
-    try:
-        async with node_client().post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
-                                      headers=node_credentials(),
-                                      timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as response:
-            await response.read()
-            if response.status == HTTPStatus.OK:
-                return True
-            problem = f'HTTP {response.status}{credentials_hint(response.status)}'
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        problem = repr(exc)
-    warn(f'releasing Prefill session {owner} on {p_url} ({reason}) failed: {problem}')
-    return False
 
 
 async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause, reason: str) -> bool:

@@ -6,8 +6,8 @@ Prefill node. Three defects, fixed here:
 
 - ``zmq_send`` on a PUSH socket with no peer (the Prefill node died or never connected) waits forever, and
   with it the Decode node's migration loop. It now gives up after ``LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S``
-  (default 10 s) with :class:`CacheFreeNotSent`; the ``migration_faults`` patch then fails that one request,
-  and the proxy's compensating free releases the Prefill cache.
+  (default 10 s) with :class:`CacheFreeNotSent`. The copy has ended by then, so the ``migration_faults`` patch
+  answers the request and frees the Prefill cache over HTTP instead.
 - The Prefill node's receive loop ends whatever session a message names (D15: running requests included)
   and logs an error for every unknown id. Each message now goes through :func:`release_preserved`: only a
   preserved cache is released; anything else is counted in the node's book and logged at debug level.
@@ -54,15 +54,22 @@ class CacheFreeNotSent(RuntimeError):
 
 def _bounded_send(original: Send) -> Send:
     async def zmq_send(self, remote_engine_id, remote_session_id):
-        if remote_engine_id not in self.p2p_sender:
-            raise CacheFreeNotSent(f'no link to Prefill engine {remote_engine_id} (dropped, or never made): '
-                                   f'its session {remote_session_id} was not freed')
         try:
             await asyncio.wait_for(original(self, remote_engine_id, remote_session_id), ZMQ_SEND_TIMEOUT_S)
+        except KeyError:  # LMDeploy's lookup of the link's socket: dropped, even just now, or never made
+            raise CacheFreeNotSent(f'no link to Prefill engine {remote_engine_id} (dropped, or never made): '
+                                   f'its session {remote_session_id} was not freed') from None
         except asyncio.TimeoutError as exc:  # a cancelled pending send is dropped by pyzmq, never sent late
             raise CacheFreeNotSent(
                 f'Prefill engine {remote_engine_id} took no free of its session {remote_session_id} within '
                 f'{ZMQ_SEND_TIMEOUT_S:g} s (LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S): it is down or not linked') from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():  # this task itself is cancelled (the engine stops)
+                raise
+            # pyzmq cancels a pending send when its socket closes: the link was dropped under it
+            raise CacheFreeNotSent(f'the link to Prefill engine {remote_engine_id} was closed while the free of its '
+                                   f'session {remote_session_id} was sent') from None
 
     return zmq_send
 

@@ -12,7 +12,9 @@ is counted in the node's book, and the rest of the batch and every later one go 
 LMDeploy's code unchanged (it skips them).
 
 A migration ended by a failure frees its Prefill cache over ZMQ, as one that worked does: the Prefill holds a
-claimed cache for its Decode until then (issue 11). A migration that waited to start longer than the claim
+claimed cache for its Decode until then (issue 11). A copy that ended but whose free could not be sent (the
+proxy removed the Prefill node meanwhile, which closes its links) is answered: the request no longer needs that
+node, and the free goes over HTTP instead (issue 12). A migration that waited to start longer than the claim
 lease (``LMDEPLOY_PDFIX_CLAIM_LEASE_S``, counted from the request's arrival) fails instead of copying blocks the
 Prefill may have handed to other work meanwhile.
 
@@ -39,7 +41,9 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.patches._client import free_prefill_session
 from lmdeploy_pdfix.patches._node_book import book_of
+from lmdeploy_pdfix.patches.engine_conn import CacheFreeNotSent
 from lmdeploy_pdfix.patching import (
     Patch,
     attribute_problem,
@@ -63,6 +67,7 @@ Respond = Callable[..., None]
 
 # Transfers given up on but still running: asyncio holds tasks weakly, and their end unpins blocks.
 _ABANDONED: set[asyncio.Task] = set()
+_FREES_OVER_HTTP: set[asyncio.Task] = set()  # held until done, as asyncio holds tasks weakly
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,24 @@ async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailu
     error = transfer.exception()
     if error is None:
         return None
+    if isinstance(error, CacheFreeNotSent):  # raised only after the copy ended: the request needs the link no more
+        _free_over_http(msg, error)
+        return None
     return MigrationFailure(type(error).__name__, str(error) or repr(error))
+
+
+def _free_over_http(msg: Any, error: CacheFreeNotSent) -> None:
+    """Free the Prefill cache of a copied migration through the Prefill node's route, as the proxy does.
+
+    In the background: the migration loop goes on. A Prefill node that is gone answers nothing; its cache went
+    with it.
+    """
+    request = msg.migration_request
+    warn(f'Decode session {msg.session_id} copied its cache, but {error}; freeing it over HTTP instead')
+    free = free_prefill_session(request.remote_engine_id, request.remote_session_id, 'its ZMQ link was closed')
+    task = asyncio.ensure_future(free)
+    _FREES_OVER_HTTP.add(task)
+    task.add_done_callback(_FREES_OVER_HTTP.discard)
 
 
 def _past_claim_lease(msg: Any) -> MigrationFailure | None:
@@ -182,7 +204,7 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
             warn(f'the migration of Decode session {session_id} given up on has ended '
                  f'({repr(error) if error else "no error"}); its {len(blocks)} blocks are free again'
                  + ('' if error is None else f' in {QUARANTINE_S:g} s'))
-        if error is None:
+        if error is None or isinstance(error, CacheFreeNotSent):  # the copy ended
             unpin()
         else:  # quarantined: a peer worker's copy may still be landing in them
             asyncio.get_running_loop().call_later(QUARANTINE_S, unpin)
