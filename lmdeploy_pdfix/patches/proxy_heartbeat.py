@@ -93,8 +93,6 @@ def _forgetting_removed(removed: RemovedNodes):
     return make
 
 
-
-
 class ProxyHeartbeatPatch(Patch):
     name = 'proxy_heartbeat'
     target = 'lmdeploy.serve.proxy.proxy'
