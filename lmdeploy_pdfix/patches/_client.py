@@ -35,6 +35,16 @@ def node_client() -> aiohttp.ClientSession:
     return client
 
 
+def return_connection(response: aiohttp.ClientResponse) -> None:
+    """Give ``response``'s connection back to the pool, or close it where the node may close it under the next
+    call: after a 5xx (uvicorn closes the connection once an unhandled error has answered) or a body not read
+    to its end."""
+    if response.status < HTTPStatus.INTERNAL_SERVER_ERROR and response.content.at_eof():
+        response.release()
+    else:
+        response.close()
+
+
 async def close_node_client() -> None:
     """Close this event loop's client, if it has one (the proxy's shutdown)."""
     client = _CLIENTS.pop(asyncio.get_running_loop(), None)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
-from lmdeploy_pdfix.patches._client import free_prefill_session, node_client
+from lmdeploy_pdfix.patches._client import free_prefill_session, node_client, return_connection
 from lmdeploy_pdfix.patching import lmdeploy_logger
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
@@ -125,7 +125,9 @@ class _Relay:
         try:
             async with node_client().post(url + self.path, json=payload, headers=self.credentials,
                                           timeout=self.nodes.aiotimeout) as response:
-                return response.status, await response.text()
+                text = await response.text()
+                return_connection(response)
+                return response.status, text
         finally:
             self.nodes.post_call(url, start)
 
@@ -407,11 +409,7 @@ class _DecodeStream(StreamingResponse):
         await asyncio.shield(self._close_and_settle())
 
     async def _close_and_settle(self) -> None:
-        # a stream read to its end leaves its connection clean for the pool; one cut short does not
-        if self._response.content.at_eof():
-            self._response.release()
-        else:
-            self._response.close()
+        return_connection(self._response)
         await self._settle(self._migrated)
 
 
