@@ -35,14 +35,13 @@ def node_client() -> aiohttp.ClientSession:
     return client
 
 
-def return_connection(response: aiohttp.ClientResponse) -> None:
-    """Give ``response``'s connection back to the pool, or close it where the node may close it under the next
-    call: after a 5xx (uvicorn closes the connection once an unhandled error has answered) or a body not read
-    to its end."""
-    if response.status < HTTPStatus.INTERNAL_SERVER_ERROR and response.content.at_eof():
-        response.release()
-    else:
-        response.close()
+def not_pooled_after_an_error(response: aiohttp.ClientResponse) -> None:
+    """Close ``response``'s connection once its body is read if it answered a 5xx, instead of pooling it:
+    uvicorn closes a connection once an unhandled error has answered on it, under the next call. Call it before
+    reading the body, as aiohttp pools a connection as soon as its body ends."""
+    protocol = getattr(response.connection, 'protocol', None)
+    if response.status >= HTTPStatus.INTERNAL_SERVER_ERROR and protocol is not None:
+        protocol.force_close()
 
 
 async def close_node_client() -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
-from lmdeploy_pdfix.patches._client import free_prefill_session, node_client, return_connection
+from lmdeploy_pdfix.patches._client import free_prefill_session, node_client, not_pooled_after_an_error
 from lmdeploy_pdfix.patching import lmdeploy_logger
 from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
@@ -125,9 +125,8 @@ class _Relay:
         try:
             async with node_client().post(url + self.path, json=payload, headers=self.credentials,
                                           timeout=self.nodes.aiotimeout) as response:
-                text = await response.text()
-                return_connection(response)
-                return response.status, text
+                not_pooled_after_an_error(response)
+                return response.status, await response.text()
         finally:
             self.nodes.post_call(url, start)
 
@@ -409,7 +408,9 @@ class _DecodeStream(StreamingResponse):
         await asyncio.shield(self._close_and_settle())
 
     async def _close_and_settle(self) -> None:
-        return_connection(self._response)
+        # a stream read to its end is back in the pool already; one cut short is closed, so its node sees the
+        # client leave
+        self._response.close()
         await self._settle(self._migrated)
 
 
@@ -434,6 +435,7 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         await settle(False)
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    not_pooled_after_an_error(response)
     stream = _DecodeStream(relay, response, settle)
     if response.status != HTTPStatus.OK:
         text = await response.text()
