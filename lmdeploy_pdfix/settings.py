@@ -83,14 +83,16 @@ MIGRATION_TIMEOUT_S = Number(
 ZMQ_SEND_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_ZMQ_SEND_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='Decode',
     patches=('engine_connections',),
-    help='a free message the Prefill cannot take by then fails that request (the proxy then frees the cache)')
+    help='a free message the Prefill cannot take by then is given up on; the copy has ended, so the request is '
+         'answered and its Prefill cache freed over HTTP instead')
 
 KEEPALIVE_S = Number(
     'LMDEPLOY_PDFIX_KEEPALIVE_S', 4.0, minimum=0.0, maximum=4.9, node='proxy and Decode',
-    patches=('proxy_distserve', 'decode_migration_checks'),
+    patches=('proxy_distserve', 'decode_migration_checks', 'migration_faults'),
     help="how long a pooled connection to a node stays open idle for the next call (the proxy's relay, "
-         "frees and probes, the Decode's claims); keep it below the nodes' `UVICORN_TIMEOUT_KEEP_ALIVE` (LMDeploy's "
-         "default 5 s), so a node never closes one under a call; 0 opens a connection per call")
+         "frees and probes, the Decode's claims and its frees over HTTP); keep it below the nodes' "
+         "`UVICORN_TIMEOUT_KEEP_ALIVE` (LMDeploy's default 5 s), so a node never closes one under a call; 0 opens "
+         "a connection per call")
 
 PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 MAX_PROMPTS = Number(

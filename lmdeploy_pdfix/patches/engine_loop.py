@@ -146,10 +146,16 @@ async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailu
     error = transfer.exception()
     if error is None:
         return None
-    if isinstance(error, CacheFreeNotSent):  # raised only after the copy ended: the request needs the link no more
+    if _copy_ended(error):  # the request needs the link no more
         _free_over_http(msg, error)
         return None
     return MigrationFailure(type(error).__name__, str(error) or repr(error))
+
+
+def _copy_ended(error: BaseException | None) -> bool:
+    """Whether a transfer that ended with ``error`` copied its cache: LMDeploy sends the free (whose failure is
+    :class:`CacheFreeNotSent`) only after the copy."""
+    return error is None or isinstance(error, CacheFreeNotSent)
 
 
 def _free_over_http(msg: Any, error: CacheFreeNotSent) -> None:
@@ -204,7 +210,7 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
             warn(f'the migration of Decode session {session_id} given up on has ended '
                  f'({repr(error) if error else "no error"}); its {len(blocks)} blocks are free again'
                  + ('' if error is None else f' in {QUARANTINE_S:g} s'))
-        if error is None or isinstance(error, CacheFreeNotSent):  # the copy ended
+        if _copy_ended(error):
             unpin()
         else:  # quarantined: a peer worker's copy may still be landing in them
             asyncio.get_running_loop().call_later(QUARANTINE_S, unpin)
