@@ -128,9 +128,17 @@ class Cluster:
             args += ['--max-prefill-token-num', str(self.config.max_prefill_token_num)]
         return args
 
+    def _new_port(self) -> int:
+        """A free port none of this cluster's processes was given: the kernel may offer a port again before the
+        node it went to has bound it (seen: a Prefill and a Decode both on one port, the Decode never registered)."""
+        given = {int(proc.url.rsplit(':', 1)[1]) for proc in self.processes}
+        while (port := free_port()) in given:
+            pass
+        return port
+
     def _spawn(self, name: str, role: str, make_args, port: int | None = None) -> Process:
         restart = port is not None
-        port = port if restart else free_port()
+        port = port if restart else self._new_port()
         args = make_args(port) if role == 'Proxy' else make_args(port, role)
         log = self.config.log_dir / f'{name}.log'
         state_file = None if role == 'Proxy' else str((self.config.log_dir / f'{name}.state.json').resolve())
