@@ -129,6 +129,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         requires=('engine_sessions',),
     ),
     PatchSpec(
+        name='engine_start',
+        module='lmdeploy_pdfix.patches.engine_start',
+        target='lmdeploy.pytorch.engine.mp_engine.zmq_engine',
+        summary=("A node's engine process survives its api_server leaving the start-up handshake once the RPC "
+                 'port is published'),
+    ),
+    PatchSpec(
         name='ray_workers_env',
         module='lmdeploy_pdfix.patches.ray_executor',
         target='lmdeploy.pytorch.engine.executor.ray_executor',

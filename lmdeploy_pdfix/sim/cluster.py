@@ -136,6 +136,10 @@ class Cluster:
             pass
         return port
 
+    def spawn_node(self, name: str, role: str) -> Process:
+        """Start one more node; not waited for (``wait_http_ok`` on its ``/health``)."""
+        return self._spawn(name, role, self._node_args)
+
     def _spawn(self, name: str, role: str, make_args, port: int | None = None) -> Process:
         restart = port is not None
         port = port if restart else self._new_port()

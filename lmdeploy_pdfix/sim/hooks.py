@@ -213,38 +213,19 @@ def substitute_mooncake(mooncake: ModuleType) -> None:
     cls._migrate = _migrate
 
 
-class _TolerantCondition:
-    """The engine child's handle on the parent's Manager condition, surviving the Manager's shutdown.
-
-    LMDeploy's parent leaves ``with mp.Manager()`` as soon as it reads the RPC port, which can shut the
-    Manager down while the child is still releasing the condition (EOFError kills the engine). On a fast GPU
-    host the child wins that race; on 2 loaded cores it loses about one start in three.
-    """
-
-    def __init__(self, condition: Any) -> None:
-        self._condition = condition
-
-    def __enter__(self) -> Any:
-        return self._condition.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(EOFError, BrokenPipeError, ConnectionError):
-            self._condition.__exit__(*exc)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._condition, name)
+RAW_START_ENV = 'LMDEPLOY_PDFIX_SIM_RAW_START'  # 1: a stock node starts as LMDeploy's does, race included (D22)
 
 
 def substitute_engine_start(zmq_engine: ModuleType) -> None:
-    cls = zmq_engine.ZMQMPEngine
-    original = cls._mp_proc
+    """A stock node gets the start-up fix of ``engine_start`` too, so that stock clusters start reliably on 2
+    loaded cores (about one start in three lost the race); a patched node gets it from that unit itself.
+    ``bench_starts`` sets ``RAW_START_ENV`` to measure the race as released."""
+    from lmdeploy_pdfix import settings
+    from lmdeploy_pdfix.patches.engine_start import PATCH
 
-    # Same __module__/__qualname__ (functools.wraps), so the spawn pickle still finds it by name.
-    @functools.wraps(original)
-    def _mp_proc(shared_dict: Any, condition: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(shared_dict, _TolerantCondition(condition), *args, **kwargs)
-
-    cls._mp_proc = staticmethod(_mp_proc)
+    unit_applies = settings.enabled() and PATCH.name not in settings.disabled_patches()
+    if not unit_applies and not settings.is_truthy(os.environ.get(RAW_START_ENV)):
+        PATCH.apply(zmq_engine)
 
 
 def substitute_engine_state(engine_module: ModuleType) -> None:
