@@ -129,6 +129,12 @@ PATCHES: tuple[PatchSpec, ...] = (
         requires=('engine_sessions',),
     ),
     PatchSpec(
+        name='mooncake_async_migration',
+        module='lmdeploy_pdfix.patches.mooncake_migration',
+        target='lmdeploy.pytorch.disagg.backend.mooncake',
+        summary='With LMDEPLOY_USE_ASYNC_MIGRATION, a Mooncake migration returns once its copy ends instead of hanging',
+    ),
+    PatchSpec(
         name='engine_start',
         module='lmdeploy_pdfix.patches.engine_start',
         target='lmdeploy.pytorch.engine.mp_engine.zmq_engine',

@@ -14,8 +14,9 @@ moves it from TO_BE_MIGRATED to STOPPED. Three defects follow, fixed here:
   ``LMDEPLOY_PDFIX_ORPHAN_TTL_S``. The book of preserved caches (:mod:`lmdeploy_pdfix.preserved`) answers
   and counts all of it; the api_server reaches it through three methods added to the engine's RPC worker.
 
-D9 too: a model whose per-sequence state is not plain KV (linear attention, SSM) cannot be migrated by
-copying KV blocks, so a Prefill or Decode engine refuses it with a clear error instead of answering wrongly.
+D9 too: a model whose per-sequence state a migration does not copy (linear attention, SSM, DeepSeek-V4's
+window state; see :mod:`lmdeploy_pdfix.model_state`) is refused by a Prefill or Decode engine with a clear
+error, before anything is built, instead of answering wrongly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from lmdeploy_pdfix.model_state import unmigrated_state
 from lmdeploy_pdfix.patches._node_book import book_of
 from lmdeploy_pdfix.patching import (
     Patch,
@@ -140,19 +142,24 @@ def _refusing_stateful_models(original, hybrid_role, model_config_class):
     def __init__(self, model_path, engine_config=None, trust_remote_code=False, *args, **kwargs):
         role = getattr(engine_config, 'role', hybrid_role)
         if role != hybrid_role:
-            _refuse_if_stateful(model_config_class, model_path, trust_remote_code, role)
+            _refuse_if_stateful(model_config_class, model_path, engine_config, trust_remote_code, role)
         original(self, model_path, engine_config, trust_remote_code, *args, **kwargs)
 
     return __init__
 
 
-def _refuse_if_stateful(model_config_class: Any, model_path: str, trust_remote_code: bool, role: Any) -> None:
-    config = model_config_class.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if config.states_shapes:
+def _refuse_if_stateful(model_config_class: Any, model_path: str, engine_config: Any, trust_remote_code: bool,
+                        role: Any) -> None:
+    # built as the engine builds it: overrides and the device decide which caches a model declares
+    config = model_config_class.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                hf_overrides=getattr(engine_config, 'hf_overrides', None),
+                                                device_type=getattr(engine_config, 'device_type', 'auto'))
+    state = unmigrated_state(config)
+    if state is not None:
         raise ValueError(
-            f'lmdeploy-pdfix: {model_path} keeps per-sequence state besides the KV cache (linear attention or '
-            f'SSM layers), and DistServe migrates KV blocks only, so a {getattr(role, "name", role)} node would '
-            'answer with the wrong state. Serve this model with --role Hybrid.')
+            f'lmdeploy-pdfix: {model_path} keeps {state}, and DistServe migrates KV blocks only, so a '
+            f'{getattr(role, "name", role)} node would answer with the wrong state. Serve this model with '
+            '--role Hybrid.')
 
 
 # --- the RPC surface the api_server calls (methods of the engine process's worker) ------------------------------

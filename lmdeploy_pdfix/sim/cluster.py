@@ -47,6 +47,7 @@ class ClusterConfig:
     warmup: bool = True  # connect every P/D pair up front, so the first requests do not race the link-up
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every node, e.g. a short orphan TTL
     api_key: str | None = None  # --api-keys of the proxy and every node, and LMDEPLOY_PDFIX_NODE_API_KEY of each
+    node_args: tuple[str, ...] = ()  # extra api_server arguments of every node, e.g. --enable-abort-handling
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Cluster:
         args = ['serve', 'api_server', str(self.config.model_dir.resolve()), '--backend', 'pytorch',
                 '--server-name', HOST, '--server-port', str(port), '--model-name', MODEL_NAME, '--role', role,
                 '--migration-backend', 'Mooncake', '--proxy-url', self.proxy_url, '--log-level', 'INFO',
-                '--max-batch-size', str(self.config.max_batch_size), *self._keys()]
+                '--max-batch-size', str(self.config.max_batch_size), *self._keys(), *self.config.node_args]
         if self.config.max_prefill_token_num is not None:
             args += ['--max-prefill-token-num', str(self.config.max_prefill_token_num)]
         return args
