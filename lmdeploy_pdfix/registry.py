@@ -73,10 +73,17 @@ PATCHES: tuple[PatchSpec, ...] = (
         summary='The heartbeat asks every node under a timeout and registers a removed node again once it answers',
     ),
     PatchSpec(
+        name='proxy_warmups',
+        module='lmdeploy_pdfix.patches.proxy_warmups',
+        target='lmdeploy.serve.proxy.proxy',
+        summary='Connection warmups that come while one runs share it; callers beyond a bound are answered 503',
+    ),
+    PatchSpec(
         name='proxy_connections',
         module='lmdeploy_pdfix.patches.proxy_conn',
         target='lmdeploy.pytorch.disagg.conn.proxy_conn',
-        summary='Unshelving an absent session is a no-op, not a KeyError; a connect cannot hang on a lost event',
+        summary=('Unshelving an absent session is a no-op, not a KeyError; a connect cannot hang on a lost event; '
+                 'one set-up per link, with a bound on who waits'),
     ),
     PatchSpec(
         name='prefill_chunking',
@@ -127,6 +134,19 @@ PATCHES: tuple[PatchSpec, ...] = (
         summary='ZMQ frees release only preserved caches; sends cannot block forever; re-linking closes the old link',
         # its frees release only what the book of preserved caches holds: without the book they release nothing
         requires=('engine_sessions',),
+    ),
+    PatchSpec(
+        name='engine_loop_health',
+        module='lmdeploy_pdfix.patches.engine_health',
+        target='lmdeploy.pytorch.engine.engine',
+        summary=('An engine whose loop task ended, or whose loop is stuck in one step, reports itself not alive, so '
+                 '/health answers 503'),
+    ),
+    PatchSpec(
+        name='health_polling',
+        module='lmdeploy_pdfix.patches.health_polling',
+        target='lmdeploy.serve.core.health',
+        summary="An api_server asks its engine's health every second, so /health turns 503 within a second or two",
     ),
     PatchSpec(
         name='mooncake_async_migration',

@@ -85,6 +85,17 @@ ZMQ_SEND_TIMEOUT_S = Number(
     patches=('engine_connections',),
     help='a free message the Prefill cannot take by then is given up on; the copy has ended, so the request is '
          'answered and its Prefill cache freed over HTTP instead')
+LOOP_STALL_S = Number(
+    'LMDEPLOY_PDFIX_LOOP_STALL_S', 60.0, minimum=1.0, maximum=_DAY, node='Prefill and Decode',
+    patches=('engine_loop_health',),
+    help="a node's `/health` answers 503 once one forward step of its engine has run this long, or one migration "
+         'step this long plus the migration timeout of each sequence in it: the loop has stopped making progress '
+         'while work waits (an engine loop task that ended answers 503 at once)')
+HEALTH_POLL_S = Number(
+    'LMDEPLOY_PDFIX_HEALTH_POLL_S', 1.0, minimum=0.1, maximum=60.0, node='Prefill and Decode',
+    patches=('health_polling',),
+    help="how often an api_server asks its engine how it is, for `/health` (LMDeploy's 12 s unless "
+         '`LMDEPLOY_HEALTH_POLL_INTERVAL` is set, which then wins)')
 
 KEEPALIVE_S = Number(
     'LMDEPLOY_PDFIX_KEEPALIVE_S', 4.0, minimum=0.0, maximum=4.9, node='proxy and Decode',
@@ -94,6 +105,13 @@ KEEPALIVE_S = Number(
          "`UVICORN_TIMEOUT_KEEP_ALIVE` (LMDeploy's default 5 s), so a node never closes one under a call; 0 opens "
          "a connection per call")
 
+MAX_LINK_WAITERS = Number(
+    'LMDEPLOY_PDFIX_MAX_LINK_WAITERS', 1024, minimum=1, maximum=1_000_000, node='proxy',
+    patches=('proxy_connections', 'proxy_warmups'), whole=True,
+    help='most callers that may wait at once for Prefill/Decode link set-ups (requests on a cold link, and '
+         '`/distserve/connection_warmup` calls, which share one warmup at a time): one more is answered 503 '
+         'at once instead of adding to a pile that grows with the storm')
+
 PROMPTS_IN_FLIGHT = 8  # of one request's prompt list: each holds a Prefill cache until its Decode takes it
 MAX_PROMPTS = Number(
     'LMDEPLOY_PDFIX_MAX_PROMPTS', 64, minimum=1, maximum=100_000, node='proxy', patches=('proxy_distserve',),
@@ -102,7 +120,8 @@ MAX_PROMPTS = Number(
                      'at a time')
 
 NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
-                               MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, MAX_PROMPTS, KEEPALIVE_S)
+                               MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, LOOP_STALL_S, HEALTH_POLL_S, MAX_PROMPTS,
+                               MAX_LINK_WAITERS, KEEPALIVE_S)
 
 # covers the hop from a Decode's claim to its engine, which counts the lease from the request's arrival
 _CLAIM_HOP_MARGIN_S = 30.0

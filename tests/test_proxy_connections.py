@@ -168,3 +168,53 @@ async def test_concurrent_connects_after_a_failed_handshake_all_connect(apply_pa
             await pool.conn_sess.close()
     assert Counter(repr(result) for result in results) == {'None': WARMUPS}
     assert prefill.asked[HANDSHAKE] == decode.asked[HANDSHAKE] == 1
+
+
+@pytest.mark.regression
+async def test_callers_beyond_the_bound_on_link_waiters_are_refused_at_once_and_the_rest_connect(
+        apply_patch, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmdeploy_pdfix.patches import proxy_conn
+
+    conn = apply_patch('proxy_connections')
+    monkeypatch.setattr(proxy_conn, 'MAX_LINK_WAITERS', 3)  # a pool reads it when its first link set-up begins
+    prefill, decode = NodeLog(), NodeLog()
+    prefill.open.clear()
+    with linked_nodes(prefill, decode) as (p_url, d_url):
+        pool = conn.PDConnectionPool()
+        try:
+            callers = warmups(pool, p_url, d_url, 5)
+            await prefill.until_asked('/distserve/engine_info')
+            refused, _ = await asyncio.wait(callers, timeout=1)
+            prefill.open.set()
+            results = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), timeout=5)
+        finally:
+            await pool.conn_sess.close()
+    assert len(refused) == 2 and all('already wait' in str(task.exception()) for task in refused)
+    assert Counter(type(result).__name__ for result in results) == {'NoneType': 3, 'TooManyWaiting': 2}
+
+
+@pytest.mark.regression
+async def test_warmups_that_come_while_one_runs_share_it_and_callers_beyond_the_bound_get_503(
+        distserve, apply_patch, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmdeploy_pdfix.patches import proxy_warmups
+
+    apply_patch('proxy_warmups')
+    monkeypatch.setattr(proxy_warmups.PATCH.rounds, 'limit', 4)
+    pool = distserve.proxy.node_manager.pd_connection_pool
+    gate, connects = threading.Event(), []
+
+    async def stuck_connect(conn_req) -> None:  # a node that holds the handshake
+        connects.append(conn_req)
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+
+    monkeypatch.setattr(pool, 'connect', stuck_connect)
+    calls = [asyncio.ensure_future(distserve.post('/distserve/connection_warmup', {})) for _ in range(6)]
+    try:
+        early, _ = await asyncio.wait(calls, timeout=2)
+    finally:
+        gate.set()
+    answers = await asyncio.gather(*calls)
+    assert [task.result().status_code for task in early] == [503, 503], 'refused at once, while the warmup runs'
+    assert sorted(answer.status_code for answer in answers) == [200] * 4 + [503] * 2
+    assert len(connects) == 1, f'{len(connects)} connects of the one Prefill/Decode pair'

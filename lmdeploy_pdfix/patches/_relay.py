@@ -40,6 +40,7 @@ from lmdeploy_pdfix.protocol import (
     parse_prefill_answer,
     refused_credentials,
 )
+from lmdeploy_pdfix.shared_runs import TooManyWaiting
 
 DISCONNECT_POLL_S = 0.2
 PROBE_TIMEOUT_S = 5.0
@@ -320,7 +321,8 @@ async def _release_unusable(relay: _Relay, owner: int | None, reason: str) -> No
         await relay.release(reason)
 
 
-async def _connect(relay: _Relay) -> str | None:
+async def _connect(relay: _Relay) -> tuple[HTTPStatus, str] | None:
+    """None once the Prefill/Decode link is up, else the status and message of why it is not."""
     pool = relay.nodes.pd_connection_pool
     if pool.is_connected(relay.p_url, relay.d_url):
         return None
@@ -329,8 +331,10 @@ async def _connect(relay: _Relay) -> str | None:
                                               rdma_config=relay.nodes.rdma_config)
     try:
         await pool.connect(message)
+    except TooManyWaiting as exc:
+        return HTTPStatus.SERVICE_UNAVAILABLE, f'Prefill {relay.p_url} and Decode {relay.d_url} are not linked: {exc}'
     except Exception as exc:
-        return f'Cannot connect Prefill {relay.p_url} and Decode {relay.d_url}: {exc!r}'
+        return HTTPStatus.BAD_GATEWAY, f'Cannot connect Prefill {relay.p_url} and Decode {relay.d_url}: {exc!r}'
     return None
 
 
@@ -543,10 +547,10 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
     if isinstance(answer, _FinishedAtPrefill):
         return answer.response(relay.path, bool(request_dict.get('stream')))
     with relay.phase('link'):
-        problem = await _connect(relay)
-    if problem is not None:
+        unlinked = await _connect(relay)
+    if unlinked is not None:
         await relay.release('connection failed')
-        return relay.error(HTTPStatus.BAD_GATEWAY, problem)
+        return relay.error(*unlinked)
     relay.record.state = RecordState.MIGRATING
     decode_request = _decode_request(relay, request_dict, answer)
     if request_dict.get('stream'):

@@ -13,7 +13,9 @@ Every ``connect`` of a link also queues its own request and, while a handshake i
 waiting task (upstream #4972): repeated ``/distserve/connection_warmup`` calls against slow or stuck nodes
 pile them up until the proxy is OOM-killed. After a failed handshake those waiters wait on the spent event
 of the first attempt, spin through their retries and fail while the link comes up. Concurrent connects of
-one link now share one attempt; a link already up still costs no request to the nodes.
+one link now share one attempt; a link already up still costs no request to the nodes; and at most
+``LMDEPLOY_PDFIX_MAX_LINK_WAITERS`` callers wait for link set-ups at once, a caller beyond that being refused
+at once (its request answers 503) rather than piling up.
 
 ``PDConnectionPool.drop`` (a Decode removed or re-registering) frees every session shelved on the link, some
 of which may still be migrating (D14); it no longer frees them: their relays and the proxy's gc do.
@@ -30,6 +32,7 @@ from typing import Any
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.protocol import node_credentials
+from lmdeploy_pdfix.shared_runs import SharedRuns
 
 
 def _tolerating_absent_session(original):
@@ -70,25 +73,24 @@ def _authenticate(pool: Any) -> None:
         session.headers.update(node_credentials())
 
 
-ATTEMPTS = '_pdfix_connect_attempts'  # a pool's attribute: link -> its attempt in flight
-Attempts = dict[tuple[str, str], asyncio.Future]
+ATTEMPTS = '_pdfix_connect_attempts'  # a pool's attribute: the link set-ups under way, and who waits for them
+MAX_LINK_WAITERS = settings.MAX_LINK_WAITERS.value()
 
 
-async def _attempt(original: Callable, pool: Any, conn_req: Any, attempts: Attempts) -> None:
-    try:
-        return await _watched_connect(original, pool, conn_req)
-    finally:
-        attempts.pop((conn_req.p_url, conn_req.d_url), None)  # settled: the next connect starts afresh
+def link_attempts(pool: Any) -> SharedRuns:
+    attempts = pool.__dict__.get(ATTEMPTS)
+    if attempts is None:
+        attempts = pool.__dict__[ATTEMPTS] = SharedRuns(MAX_LINK_WAITERS, 'Prefill/Decode link set-ups')
+    return attempts
 
 
 def _one_attempt_per_link(original):
     async def connect(self, conn_req):
-        link = (conn_req.p_url, conn_req.d_url)
-        attempts: Attempts = self.__dict__.setdefault(ATTEMPTS, {})
-        if link not in attempts:  # joiners' requests differ in nothing: the proxy sends its own protocol and RDMA
-            attempts[link] = asyncio.ensure_future(_attempt(original, self, conn_req, attempts))
-        # a caller that leaves (its client went away) must not cancel the attempt the others wait for
-        return await asyncio.shield(attempts[link])
+        if self.is_connected(conn_req.p_url, conn_req.d_url):
+            return None
+        # joiners' requests differ in nothing: the proxy sends its own protocol and RDMA config
+        return await link_attempts(self).join((conn_req.p_url, conn_req.d_url),
+                                              lambda: _watched_connect(original, self, conn_req))
 
     return connect
 

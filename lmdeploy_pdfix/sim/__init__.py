@@ -24,6 +24,7 @@ _SUBSTITUTIONS = {
     'lmdeploy.pytorch.engine.model_agent.agent': 'substitute_model_agent',
     'lmdeploy.pytorch.disagg.backend.mooncake': 'substitute_mooncake',
     'lmdeploy.pytorch.engine.engine': 'substitute_engine_state',
+    'lmdeploy.pytorch.paging.scheduler': 'substitute_migration_schedule',
     'lmdeploy.pytorch.engine.mp_engine.zmq_engine': 'substitute_engine_start',
     'lmdeploy.serve.openai.api_server': 'substitute_api_router',
 }

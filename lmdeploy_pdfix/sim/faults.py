@@ -4,7 +4,8 @@ The engine process takes (deletes) the file when it reaches the faulty step, so 
 ``slow_prefill`` (its content: seconds) stretches the next Prefill forward, as a long prompt would on a GPU;
 ``migrate_error`` makes the next KV transfer of a Decode node fail, as a dropped RDMA link would;
 ``slow_migrate`` (its content: seconds) holds the next KV transfer back before it copies anything, as a
-migration waiting in a busy Decode's queue would.
+migration waiting in a busy Decode's queue would; ``migration_loop_end`` ends a Decode's migration loop task
+(cancelled) the next time it schedules, as an escaped cancellation would.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ FAULTS_ENV = 'LMDEPLOY_PDFIX_SIM_FAULTS'
 SLOW_PREFILL = 'slow_prefill'
 MIGRATE_ERROR = 'migrate_error'
 SLOW_MIGRATE = 'slow_migrate'
+MIGRATION_LOOP_END = 'migration_loop_end'
 
 
 class InjectedFault(RuntimeError):

@@ -201,7 +201,8 @@ def substitute_mooncake(mooncake: ModuleType) -> None:
         nbytes = sum(task.length for task in assignment.batch)
         if faults.take(faults.MIGRATE_ERROR) is not None:
             raise faults.InjectedFault('injected KV transfer failure')
-        time.sleep(float(faults.take(faults.SLOW_MIGRATE) or 0))  # a worker thread: the engine loop goes on
+        # blocks the Decode engine's loop, as LMDeploy's synchronous copy does (a worker thread in async mode)
+        time.sleep(float(faults.take(faults.SLOW_MIGRATE) or 0))
         if os.environ.get(DROP_KV_ENV) == '1':
             # Negative control: the Decode never receives the Prefill's KV, the answer must not match.
             state.count('migrations_dropped')
@@ -211,6 +212,20 @@ def substitute_mooncake(mooncake: ModuleType) -> None:
         state.count('migrated_bytes', nbytes)
 
     cls._migrate = _migrate
+
+
+def substitute_migration_schedule(scheduler: ModuleType) -> None:
+    cls = scheduler.Scheduler
+    name = 'schedule_migration' if hasattr(cls, 'schedule_migration') else '_schedule_migration'  # 0.18 / 0.17
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def schedule_migration(self):
+        if faults.take(faults.MIGRATION_LOOP_END) is not None:
+            raise asyncio.CancelledError('injected end of the migration loop')
+        return original(self)
+
+    setattr(cls, name, schedule_migration)
 
 
 RAW_START_ENV = 'LMDEPLOY_PDFIX_SIM_RAW_START'  # 1: a stock node starts as LMDeploy's does, race included (D22)

@@ -16,10 +16,11 @@ from lmdeploy_pdfix._import_hooks import when_imported
 
 MISSHAPE_ENV = 'LMDEPLOY_PDFIX_SIM_MISSHAPE'
 
-# proxy_distserve declares only its routes, which no guard can misread; it checks this function too.
+# proxy_distserve and proxy_warmups declare only routes, which no guard can misread; each checks a function too.
 # proxy_metrics reads no function of LMDeploy: what would stop it is an upstream proxy serving /metrics itself
 # ('app@/metrics': the app already serves that route).
 _CHECKED_FUNCTION = {'proxy_distserve': 'lmdeploy.serve.proxy.proxy:NodeManager.get_node_url',
+                     'proxy_warmups': 'lmdeploy.serve.proxy.proxy:create_error_response',
                      'proxy_metrics': 'lmdeploy.serve.proxy.proxy:app@/metrics'}
 
 
