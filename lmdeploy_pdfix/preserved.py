@@ -39,6 +39,7 @@ class ReleaseCause(str, enum.Enum):
     FREED = 'freed'  # /distserve/free_cache (the proxy compensating a failure, or its gc)
     RECLAIMED = 'reclaimed'  # nobody claimed or freed it within the orphan TTL, or its claim's lease ran out
     CANCELLED = 'cancelled'  # its request was aborted before the cache was handed out
+    ABORTED = 'aborted'  # the node was told to abort all its work (abort_all, sleep) before a Decode claimed it
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,10 @@ class PreservedBook:
         answer = self._judge_claim(owner, tuple(block_ids))
         self.claims[answer.verdict.value] += 1
         return answer
+
+    def unclaimed(self) -> list[int]:
+        """Owners no Decode node has claimed: nothing reads their blocks."""
+        return [cache.owner for cache in self._caches.values() if not cache.claimed]
 
     def expired(self) -> list[int]:
         """Owners nobody claimed or freed within the orphan TTL, and those whose claim's lease ran out."""

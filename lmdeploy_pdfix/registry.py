@@ -108,6 +108,14 @@ PATCHES: tuple[PatchSpec, ...] = (
         requires=('engine_sessions',),
     ),
     PatchSpec(
+        name='abort_releases',
+        module='lmdeploy_pdfix.patches.abort_releases',
+        target='lmdeploy.serve.core.async_engine',
+        summary=('Aborting all sessions (abort_all, sleep) also releases every preserved cache no Decode has '
+                 'claimed'),
+        requires=('engine_sessions',),  # the release runs in the engine's book of preserved caches
+    ),
+    PatchSpec(
         name='node_metrics',
         module='lmdeploy_pdfix.patches.node_metrics',
         target='lmdeploy.serve.openai.api_server',

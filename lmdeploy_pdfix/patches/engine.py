@@ -58,6 +58,12 @@ def claim_preserved(engine: Any, owner: int, block_ids: Sequence[int]) -> Answer
     return book_of(engine).claim(owner, block_ids)
 
 
+def release_unclaimed(engine: Any, cause: ReleaseCause) -> list[int]:
+    """Release every preserved cache no Decode node claimed; a claimed one is being copied, its Decode frees it."""
+    return [owner for owner in book_of(engine).unclaimed()
+            if release_preserved(engine, owner, cause).verdict is Verdict.RELEASED]
+
+
 def reclaim_orphans(engine: Any) -> list[int]:
     """Release every preserved cache nobody migrated, freed or claimed within the orphan TTL."""
     book = book_of(engine)
@@ -172,6 +178,10 @@ def _worker_claim_preserved(self, owner: int, block_ids: list[int]) -> dict[str,
     return claim_preserved(self.engine, owner, block_ids).as_dict()
 
 
+def _worker_release_unclaimed(self, cause: str) -> list[int]:
+    return release_unclaimed(self.engine, ReleaseCause(cause))
+
+
 def _worker_audit(self) -> dict[str, Any]:
     return book_of(self.engine).audit()
 
@@ -179,6 +189,7 @@ def _worker_audit(self) -> dict[str, Any]:
 WORKER_METHODS = {
     'pdfix_release_preserved': _worker_release_preserved,
     'pdfix_claim_preserved': _worker_claim_preserved,
+    'pdfix_release_unclaimed': _worker_release_unclaimed,
     'pdfix_audit': _worker_audit,
 }
 
@@ -193,6 +204,7 @@ class EngineSessionsPatch(Patch):
         'lmdeploy.pytorch.paging.scheduler:Scheduler.hanging',
         'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_release_preserved',
         'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_claim_preserved',
+        'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_release_unclaimed',
         'lmdeploy.pytorch.engine.mp_engine.base_worker:EngineWorkerBase.pdfix_audit',
     )
 
