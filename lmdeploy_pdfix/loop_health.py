@@ -9,8 +9,9 @@ step of each loop has run, and names the first problem.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 
@@ -36,6 +37,15 @@ class LoopWatch:
 
     def step_ended(self, loop: str) -> None:
         self._steps.pop(loop, None)
+
+    @contextlib.contextmanager
+    def step(self, loop: str, allowance_s: float = 0.0) -> Iterator[None]:
+        """One step of ``loop``, timed from its start to its end, however it ends."""
+        self.step_began(loop, allowance_s)
+        try:
+            yield
+        finally:
+            self.step_ended(loop)
 
     def problem(self) -> str | None:
         """Why the engine no longer makes progress, or None."""

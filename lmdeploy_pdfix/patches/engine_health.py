@@ -28,6 +28,7 @@ from lmdeploy_pdfix.patching import Patch, attribute_problem, coroutine_problem,
 
 ENGINE_LOOP_MODULE = 'lmdeploy.pytorch.engine.engine_loop'
 MAIN, MIGRATION = 'main', 'migration'
+MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()  # read once, as migration_faults reads it
 
 _WATCHES: weakref.WeakKeyDictionary[Any, LoopWatch] = weakref.WeakKeyDictionary()
 
@@ -62,25 +63,17 @@ def _task_ended(engine_loop: Any, watch: LoopWatch, task: Any) -> None:
 
 def _timing_forward_steps(original):
     async def _main_loop_get_outputs(self, running, forward_inputs):
-        watch = watch_of(self)
-        watch.step_began(MAIN)
-        try:
+        with watch_of(self).step(MAIN):
             return await original(self, running, forward_inputs)
-        finally:
-            watch.step_ended(MAIN)
 
     return _main_loop_get_outputs
 
 
 def _timing_migration_steps(original):
     async def _migration_loop_process_ready(self, migration_ready):
-        watch = watch_of(self)
         # each transfer may take its deadline (migration_faults), one after another
-        watch.step_began(MIGRATION, settings.MIGRATION_TIMEOUT_S.value() * len(migration_ready))
-        try:
+        with watch_of(self).step(MIGRATION, MIGRATION_TIMEOUT_S * len(migration_ready)):
             return await original(self, migration_ready)
-        finally:
-            watch.step_ended(MIGRATION)
 
     return _migration_loop_process_ready
 
