@@ -13,6 +13,7 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_index, is_owner_id
+from lmdeploy_pdfix.tickets import TicketError, TicketKey, ticket_key_id
 
 # LMDeploy's routes the relay serves and calls
 CHAT_PATH = '/v1/chat/completions'
@@ -24,6 +25,9 @@ P2P_CONNECT_PATH = '/distserve/p2p_connect'
 P2P_DROP_CONNECT_PATH = '/distserve/p2p_drop_connect'
 
 CACHE_OWNER_FIELD = 'cache_session_id'
+# The Prefill node's ticket for that cache (see :mod:`lmdeploy_pdfix.tickets`); the proxy passes it to the Decode
+# node inside ``migration_request``, where LMDeploy's own model ignores it.
+CACHE_TICKET_FIELD = 'cache_ticket'
 
 # A Prefill answer that is already the whole answer (the first token was a stop token): nothing to migrate,
 # and the Prefill node has already ended the session.
@@ -33,6 +37,8 @@ PREFILL_FINISHED_FIELD = 'prefill_finished'
 CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
 # A Decode node confirms with the Prefill node that an owner still holds its blocks before it migrates them.
 CLAIM_PATH = '/distserve/pdfix/claim'
+# A Prefill node's ticket key, for the Decode nodes that check its tickets (node credentials required where set).
+TICKET_KEY_PATH = '/distserve/pdfix/ticket_key'
 # The books of the proxy and of each node.
 AUDIT_PATH = '/distserve/pdfix/audit'
 # A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
@@ -93,25 +99,34 @@ class PrefillAnswer:
     owner: int
     block_ids: list[int]
     first_token_id: int
+    ticket: str | None = None
 
 
 def is_finished_at_prefill(body: Any) -> bool:
     return isinstance(body, dict) and body.get(PREFILL_FINISHED_FIELD) is True
 
 
-def with_owner(body: dict[str, Any], owner: int | None) -> dict[str, Any]:
-    """``body`` with ``cache_session_id`` added when it carries a retained cache (``cache_block_ids``)."""
+TicketIssuer = Callable[[int, list[int]], str | None]  # a Prefill's ticket for an owner's blocks
+
+
+def with_owner(body: dict[str, Any], owner: int | None, issue_ticket: TicketIssuer | None = None) -> dict[str, Any]:
+    """``body`` with ``cache_session_id`` (and the cache's ticket, if ``issue_ticket`` makes one) added when it
+    carries a retained cache (``cache_block_ids``)."""
     if owner is not None and 'cache_block_ids' in body:
         body[CACHE_OWNER_FIELD] = owner
+        ticket = issue_ticket(owner, body['cache_block_ids']) if issue_ticket is not None else None
+        if ticket is not None:
+            body[CACHE_TICKET_FIELD] = ticket
     return body
 
 
-def sse_chunk_with_owner(chunk: str | bytes, owner: int | None) -> str | bytes:
-    """A ``data: {...}`` stream chunk with the owner added if that chunk carries ``cache_block_ids``."""
+def sse_chunk_with_owner(chunk: str | bytes, owner: int | None,
+                         issue_ticket: TicketIssuer | None = None) -> str | bytes:
+    """A ``data: {...}`` stream chunk with the owner (and ticket) added if that chunk carries ``cache_block_ids``."""
     text = chunk.decode() if isinstance(chunk, bytes) else chunk
     if owner is None or '"cache_block_ids"' not in text:
         return chunk
-    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner))
+    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner, issue_ticket))
 
 
 def sse_chunk_rewritten(chunk: str | bytes, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str | bytes:
@@ -151,7 +166,43 @@ def parse_prefill_answer(body: Any) -> PrefillAnswer:
     token_ids = body.get('remote_token_ids')
     if not _is_int_list(token_ids) or not token_ids:
         raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
-    return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1])
+    return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1],
+                         ticket=_ticket_or_none(body.get(CACHE_TICKET_FIELD)))
+
+
+def _ticket_or_none(value: Any) -> str | None:
+    """A Prefill answer's ticket if it has the shape of one; the Decode node claims the cache first without."""
+    try:
+        return parse_ticket(value)
+    except MigrationRequestError:
+        return None
+
+
+def parse_ticket(value: Any) -> str | None:
+    """A ``cache_ticket`` of the shape tickets have (None when absent); raise :class:`MigrationRequestError`."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise MigrationRequestError(f'{CACHE_TICKET_FIELD} is not a string')
+    try:
+        ticket_key_id(value)
+    except TicketError as exc:
+        raise MigrationRequestError(str(exc)) from None
+    return value
+
+
+def ticket_key_answer(key: TicketKey) -> dict[str, str]:
+    return {'key_id': key.key_id, 'secret': key.secret.hex()}
+
+
+def parse_ticket_key(body: Any) -> TicketKey:
+    """A Prefill node's answer on :data:`TICKET_KEY_PATH`; raise ValueError if it is not a key."""
+    if not isinstance(body, dict) or not isinstance(body.get('key_id'), str) or not isinstance(body.get('secret'), str):
+        raise ValueError('not a ticket key')
+    secret = bytes.fromhex(body['secret'])
+    if len(secret) < 16 or not 0 < len(body['key_id']) <= 32:
+        raise ValueError('not a ticket key')
+    return TicketKey(key_id=body['key_id'], secret=secret)
 
 
 def migration_request_problem(owner: Any, block_ids: Any,
@@ -201,6 +252,7 @@ class MigrationOrder:
     owner: int
     block_ids: list[int]
     dummy: bool  # decode from no migrated KV at all (D19); nothing of a Prefill node is named then
+    ticket: str | None = None  # the Prefill node's ticket for the cache, passed on by a pdfix proxy
 
 
 def parse_migration_request(body: Any) -> MigrationOrder | None:
@@ -229,7 +281,8 @@ def parse_migration_request(body: Any) -> MigrationOrder | None:
     prefill = migration.get('remote_engine_id')
     if not isinstance(prefill, str):
         raise MigrationRequestError('remote_engine_id is not a node URL')
-    return MigrationOrder(prefill=prefill, owner=owner, block_ids=block_ids, dummy=False)
+    return MigrationOrder(prefill=prefill, owner=owner, block_ids=block_ids, dummy=False,
+                          ticket=parse_ticket(migration.get(CACHE_TICKET_FIELD)))
 
 
 def _is_int_list(value: Any) -> bool:

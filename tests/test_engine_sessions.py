@@ -172,3 +172,27 @@ async def test_orphan_reclamation_goes_on_after_a_pass_that_failed(monkeypatch: 
     await asyncio.sleep(0.1)
     reclaimer.cancel()
     assert len(passes) >= 2, 'the first failing pass ended reclamation'
+
+
+def test_a_claim_that_arrives_before_its_requests_end_session_confirms_the_cache() -> None:
+    # The api_server answers the Prefill request before the engine loop takes its END_SESSION; a fast Decode's
+    # claim (now sent while the Decode already migrates) must not find "no preserved cache" in that gap.
+    import numpy as np
+
+    from lmdeploy_pdfix.patches import engine as engine_sessions
+    from lmdeploy_pdfix.patches._node_book import book_of
+    from lmdeploy_pdfix.preserved import Verdict
+    from tests.test_engine_connections import bare_engine, make_scheduler
+
+    engine = bare_engine(make_scheduler())
+    owner = 41
+    seq = engine.scheduler.add_session(owner).add_sequence(np.arange(40))
+    engine.scheduler.block_manager.allocate(seq)
+    seq.preserve_cache = True
+    seq.state.activate()
+    seq.state.activate()
+    seq.state.finish()  # the prefill is done; LMDeploy keeps it TO_BE_MIGRATED until its END_SESSION
+    blocks = engine.scheduler.block_manager.get_block_table(seq).tolist()
+    assert engine_sessions.claim_preserved(engine, owner, blocks).verdict is Verdict.CLAIMED
+    assert book_of(engine).audit()['claimed'] == 1
+    assert engine_sessions.claim_preserved(engine, owner + 1, blocks).verdict is Verdict.NOT_FOUND

@@ -6,10 +6,14 @@ The book of preserved caches lives in the engine process; these handlers reach i
 - ``POST /distserve/free_cache`` (D15) releases only a preserved cache of this node and always answers 200
   with ``status`` ``released``, ``not_found`` or ``refused`` and a ``detail``: each is definitive, so no
   caller retries it, and unknown ids are counted instead of logged as errors.
-- ``POST /distserve/pdfix/claim`` lets a Decode node confirm, before it migrates, that the owner still holds
-  exactly those blocks; a confirmed cache is safe from the orphan TTL for another TTL.
+- ``POST /distserve/pdfix/claim`` lets a Decode node confirm that the owner still holds exactly those blocks;
+  a confirmed cache is safe from the orphan TTL for the claim's lease.
+- ``GET /distserve/pdfix/ticket_key``: this Prefill node's ticket key (:mod:`lmdeploy_pdfix.tickets`), for the
+  Decode nodes that check the tickets its answers carry.
 - A Decode node checks every ``migration_request`` (D5, #4965) before LMDeploy sees it: well formed, from a
-  Prefill node it is linked to, and confirmed by that node. A failed check is a 4xx naming the problem.
+  Prefill node it is linked to, and either vouched for by the Prefill's ticket (then the claim runs while the
+  engine migrates, and the answer waits for it) or confirmed by a claim first. A failed check is a 4xx naming
+  the problem, the later claim's included.
 - ``GET /distserve/pdfix/audit``: preserved caches by age, releases by cause, frees that released nothing,
   claims, migration failures, and the migration requests this node refused.
 """
@@ -20,16 +24,19 @@ import asyncio
 import contextlib
 import importlib
 import json
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_owner_id
 from lmdeploy_pdfix.patches._client import node_client
 from lmdeploy_pdfix.patching import PatchState, installation, warn, warn_once
@@ -37,15 +44,22 @@ from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
     CLAIM_PATH,
+    TICKET_KEY_PATH,
+    MigrationOrder,
     MigrationRequestError,
     credentials_hint,
     node_credentials,
     parse_claim,
     parse_migration_request,
+    parse_ticket_key,
+    ticket_key_answer,
 )
+from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
+TICKET_KEY_TIMEOUT_S = 5.0
+NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
     Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
@@ -61,6 +75,7 @@ class NodeBooks:
         self.linked_peers: set[str] = set()
         self.refused_migrations: Counter[str] = Counter()
         self.server_context: Any = None  # LMDeploy's, once its distserve routes are registered
+        self.ticket_key = TicketKey.generate()  # this incarnation's, for the caches it preserves as a Prefill
 
 
 NODE = NodeBooks()
@@ -117,6 +132,10 @@ def add_node_routes(router: Any, server_context: Any) -> None:
 
     NODE.server_context = server_context
 
+    @router.get(TICKET_KEY_PATH)
+    async def pdfix_ticket_key() -> dict[str, str]:
+        return ticket_key_answer(NODE.ticket_key)
+
     @router.get(AUDIT_PATH)
     async def pdfix_audit() -> dict[str, Any]:
         return {**await node_audit(), 'software': installation()}
@@ -167,10 +186,26 @@ def forget_link(drop_request: Any) -> None:
         NODE.linked_peers.discard(request.remote_engine_id)
 
 
+def issue_ticket(owner: int, block_ids: list[int]) -> str | None:
+    """This Prefill node's ticket for ``owner``'s preserved blocks, valid until the orphan TTL would reclaim them;
+    None where the engine keeps no book (no claim could confirm the cache either)."""
+    if not engine_book_available():
+        return None
+    return NODE.ticket_key.issue(owner, block_ids, time.time() + settings.ORPHAN_TTL_S.value())
+
+
+@dataclass
+class MigrationCheck:
+    """What a Decode node's check of a request's ``migration_request`` decided."""
+
+    refusal: JSONResponse | None = None  # the 4xx to answer instead of the endpoint's answer
+    dummy: bool = False  # decode from a dummy prefill (D19)
+    confirmation: asyncio.Future | None = None  # a claim in flight: its refusal, or None once confirmed
+
+
 async def checked_migration(raw_request: Request, error_response,
-                            lmdeploy_parse: Callable[[Any], Any]) -> tuple[JSONResponse | None, bool]:
-    """The 4xx answer for a ``migration_request`` this Decode node must not start (None to go ahead), and
-    whether the request decodes from a dummy prefill; both from one parse (Starlette caches the body).
+                            lmdeploy_parse: Callable[[Any], Any]) -> MigrationCheck:
+    """Check a Decode request's ``migration_request``, from one parse (Starlette caches the body).
 
     ``lmdeploy_parse`` is LMDeploy's own model of the request: what it would not parse is a 400 here, not a 500
     in its endpoint.
@@ -181,14 +216,123 @@ async def checked_migration(raw_request: Request, error_response,
         if order is not None:
             _parsed_by(lmdeploy_parse, body['migration_request'])
     except MigrationRequestError as exc:
-        return _refused(HTTPStatus.BAD_REQUEST, str(exc), error_response), False
+        return MigrationCheck(refusal=_refused(HTTPStatus.BAD_REQUEST, str(exc), error_response))
     if order is None or order.dummy:
-        return None, order is not None
+        return MigrationCheck(dummy=order is not None)
     if order.prefill not in NODE.linked_peers:
-        return _refused(HTTPStatus.BAD_REQUEST, f'this Decode node is not linked to Prefill node {order.prefill!r}; '
-                        'migration requests come from the proxy after it links the pair', error_response), False
-    status, problem = await _claim(order.prefill, order.owner, order.block_ids)
-    return (None if problem is None else _refused(status, problem, error_response)), False
+        return MigrationCheck(refusal=_refused(
+            HTTPStatus.BAD_REQUEST, f'this Decode node is not linked to Prefill node {order.prefill!r}; '
+            'migration requests come from the proxy after it links the pair', error_response))
+    try:
+        vouched = order.ticket is not None and await _vouched_for(order)
+    except _TicketRefused as exc:
+        return MigrationCheck(refusal=_refused(exc.status, str(exc), error_response))
+    claim = _claim_refusal(order, error_response)
+    if not vouched:
+        return MigrationCheck(refusal=await claim)
+    return MigrationCheck(confirmation=asyncio.ensure_future(claim))
+
+
+async def answer_once_confirmed(work: Awaitable[Any], confirmation: asyncio.Future) -> Any:
+    """``work``'s answer (an endpoint's), run while ``confirmation`` (a claim) is in flight; the claim's refusal
+    instead, with ``work`` stopped, if it refuses. A stream's first event is awaited before it is answered."""
+    task = asyncio.ensure_future(_first_event_read(work))
+    try:
+        refusal = await confirmation
+    except BaseException:
+        task.cancel()
+        raise
+    if refusal is None:
+        return await task
+    task.cancel()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        answer = await task
+        if isinstance(answer, StreamingResponse):  # it answered before the cancel: nobody reads it
+            await answer.body_iterator.aclose()
+    return refusal
+
+
+async def _first_event_read(work: Awaitable[Any]) -> Any:
+    answer = await work
+    if isinstance(answer, StreamingResponse):
+        events = answer.body_iterator
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            return answer
+        except BaseException:
+            await events.aclose()  # LMDeploy's cleanup (the engine request's end) runs on close
+            raise
+        answer.body_iterator = _after(first, events)
+    return answer
+
+
+async def _after(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    try:
+        yield first
+        async for event in events:
+            yield event
+    finally:
+        await events.aclose()
+
+
+class TicketKeys:
+    """The ticket keys of the Prefill nodes this Decode node migrates from, asked of each node once (and again
+    after it restarted); a node that gives none is asked again after a while."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, tuple[TicketKey | None, float]] = {}
+        self._asking: dict[str, asyncio.Future] = {}
+
+    async def key(self, prefill: str, *, renew: bool = False) -> TicketKey | None:
+        known = self._keys.get(prefill)
+        if known is not None and not renew and (known[0] is not None or time.monotonic() < known[1]):
+            return known[0]
+        asking = self._asking.get(prefill)
+        if asking is None:  # one request per node at a time: concurrent migrations share its answer
+            asking = self._asking[prefill] = asyncio.ensure_future(self._ask(prefill))
+            asking.add_done_callback(lambda _: self._asking.pop(prefill, None))
+        return await asyncio.shield(asking)
+
+    async def _ask(self, prefill: str) -> TicketKey | None:
+        key = None
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            async with node_client().get(f'{prefill}{TICKET_KEY_PATH}', headers=node_credentials(),
+                                         timeout=aiohttp.ClientTimeout(total=TICKET_KEY_TIMEOUT_S)) as response:
+                if response.status == HTTPStatus.OK:
+                    key = parse_ticket_key(await response.json(content_type=None))
+        self._keys[prefill] = (key, time.monotonic() + NO_TICKET_KEY_RETRY_S)
+        return key
+
+
+TICKET_KEYS = TicketKeys()
+
+
+class _TicketRefused(Exception):
+    def __init__(self, status: int, problem: str) -> None:
+        super().__init__(problem)
+        self.status = status
+
+
+async def _vouched_for(order: MigrationOrder) -> bool:
+    """Whether ``order``'s ticket vouches for its owner and blocks (False: no key to check it with, so the claim
+    must confirm them first); raise :class:`_TicketRefused` for a ticket that does not."""
+    key = await TICKET_KEYS.key(order.prefill)
+    for renew in (False, True):
+        if key is None:
+            return False
+        try:
+            key.verify(order.ticket, order.owner, order.block_ids, time.time())
+            return True
+        except StaleTicketError as exc:
+            if renew:
+                raise _TicketRefused(HTTPStatus.GONE, str(exc)) from None
+            key = await TICKET_KEYS.key(order.prefill, renew=True)  # the node may have restarted since
+        except ExpiredTicketError as exc:
+            raise _TicketRefused(HTTPStatus.GONE, str(exc)) from None
+        except TicketError as exc:
+            raise _TicketRefused(HTTPStatus.CONFLICT, str(exc)) from None
+    return False
 
 
 def _parsed_by(lmdeploy_parse: Callable[[Any], Any], migration: dict[str, Any]) -> None:
@@ -203,6 +347,11 @@ def _parsed_by(lmdeploy_parse: Callable[[Any], Any], migration: dict[str, Any]) 
 def _refused(status: int, problem: str, error_response) -> JSONResponse:
     NODE.refused_migrations[HTTPStatus(status).phrase] += 1
     return error_response(status, f'migration_request refused: {problem}')
+
+
+async def _claim_refusal(order: MigrationOrder, error_response) -> JSONResponse | None:
+    status, problem = await _claim(order.prefill, order.owner, order.block_ids)
+    return None if problem is None else _refused(status, problem, error_response)
 
 
 async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, str | None]:

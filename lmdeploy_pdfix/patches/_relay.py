@@ -27,6 +27,7 @@ from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord,
 from lmdeploy_pdfix.patches._client import free_prefill_session, node_client, not_pooled_after_an_error
 from lmdeploy_pdfix.patching import lmdeploy_logger
 from lmdeploy_pdfix.protocol import (
+    CACHE_TICKET_FIELD,
     CAPABILITIES_PATH,
     CHAT_PATH,
     CLIENT_CLOSED_REQUEST,
@@ -344,7 +345,10 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
                                              remote_session_id=answer.owner,
                                              remote_block_ids=answer.block_ids,
                                              remote_token_id=answer.first_token_id)
-    return {**request_dict, 'migration_request': migration.model_dump(mode='json')}
+    migration_request = migration.model_dump(mode='json')
+    if answer.ticket is not None:
+        migration_request[CACHE_TICKET_FIELD] = answer.ticket
+    return {**request_dict, 'migration_request': migration_request}
 
 
 async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:

@@ -5,6 +5,8 @@ whichever Prefill node it names: a malformed request crashes the engine, and a s
 blocks that belong to another request, which then decodes a wrong text with HTTP 200. With this unit the
 endpoint first checks that the request is well formed, comes from a Prefill node this Decode is linked to,
 and that the Prefill node confirms the cache (its claim route); a failed check is a 4xx naming the problem.
+A request whose Prefill ticket vouches for its owner and blocks (issue 14) goes to the engine at once; the
+claim runs meanwhile and the answer waits for it (its refusal stops the request and is the answer).
 An answer decoded from a dummy prefill (no KV migrated, D19) is marked ``dummy_prefill``.
 
 The links are noted where LMDeploy makes them (``AsyncEngine.p2p_initialize`` / ``p2p_drop_connect``), and
@@ -17,7 +19,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from lmdeploy_pdfix.patches._node_routes import checked_migration, forget_link, record_link
+from lmdeploy_pdfix.patches._node_routes import answer_once_confirmed, checked_migration, forget_link, record_link
 from lmdeploy_pdfix.patches._routes import rewritten_answer, swapping_after_register
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.protocol import CHAT_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
@@ -37,11 +39,13 @@ def _checking_migration(make_error, lmdeploy_parse):
             raw_request = kwargs.get('raw_request')
             if raw_request is None:
                 return await endpoint(*args, **kwargs)
-            refusal, dummy = await checked_migration(raw_request, make_error, lmdeploy_parse)
-            if refusal is not None:
-                return refusal
+            check = await checked_migration(raw_request, make_error, lmdeploy_parse)
+            if check.refusal is not None:
+                return check.refusal
+            if check.confirmation is not None:  # vouched for by its ticket: the claim runs meanwhile
+                return await answer_once_confirmed(endpoint(*args, **kwargs), check.confirmation)
             answer = await endpoint(*args, **kwargs)
-            return rewritten_answer(answer, _with_dummy_mark) if dummy else answer
+            return rewritten_answer(answer, _with_dummy_mark) if check.dummy else answer
 
         return endpoint_checking_migration
 

@@ -36,8 +36,9 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
     warn,
 )
-from lmdeploy_pdfix.preserved import Answer, ReleaseCause, Verdict
+from lmdeploy_pdfix.preserved import Answer, PreservedBook, ReleaseCause, Verdict
 
+ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
 WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'
 CONFIG_MODULE = 'lmdeploy.pytorch.config'
@@ -55,7 +56,20 @@ def release_preserved(engine: Any, owner: int, cause: ReleaseCause) -> Answer:
 
 
 def claim_preserved(engine: Any, owner: int, block_ids: Sequence[int]) -> Answer:
-    return book_of(engine).claim(owner, block_ids)
+    book = book_of(engine)
+    seq = _preserved_sequence(engine.scheduler, owner)
+    if not book.is_preserved(owner) and seq is not None and seq.status == _to_be_migrated():
+        # Its answer is out but its END_SESSION still waits in the engine's queue: a claim may arrive first
+        _preserve(engine, book, owner, seq)
+    return book.claim(owner, block_ids)
+
+
+def _to_be_migrated() -> Any:
+    return importlib.import_module(ENGINE_MODULE).MessageStatus.TO_BE_MIGRATED
+
+
+def _preserve(engine: Any, book: PreservedBook, owner: int, seq: Any) -> None:
+    book.preserve(owner, engine.scheduler.block_manager.get_block_table(seq).tolist())
 
 
 def release_unclaimed(engine: Any, cause: ReleaseCause) -> list[int]:
@@ -98,9 +112,9 @@ def _end_one(engine: Any, original, req: Any, kwargs: dict[str, Any], to_be_migr
     if seq is None:
         original(engine, [req], **kwargs)
     elif seq.status == to_be_migrated:
-        block_ids = engine.scheduler.block_manager.get_block_table(seq).tolist()
+        if not book.is_preserved(session_id):  # else a claim that came first booked it
+            _preserve(engine, book, session_id, seq)
         original(engine, [req], **kwargs)  # LMDeploy keeps it (STOPPED) for the Decode node
-        book.preserve(session_id, block_ids)
     elif book.is_preserved(session_id):
         if req.data.get('response', True):  # a repeated end: the cache stays preserved
             engine._response(req.resp, success)
@@ -196,7 +210,7 @@ WORKER_METHODS = {
 
 class EngineSessionsPatch(Patch):
     name = 'engine_sessions'
-    target = 'lmdeploy.pytorch.engine.engine'
+    target = ENGINE_MODULE
     wraps = (
         'lmdeploy.pytorch.engine.engine:Engine.__init__',
         'lmdeploy.pytorch.engine.engine:Engine._on_end_session',

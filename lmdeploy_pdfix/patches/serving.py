@@ -4,7 +4,8 @@ LMDeploy's chat and completions endpoints answer a ``with_cache`` request with t
 not with its owner: the public ``id`` is ``chatcmpl-…`` (chat) or the caller's ``session_id`` (completions),
 never the scheduler session the Decode node must free. This patch records the sessions an endpoint creates
 (``ServerContext.create_session``) and adds ``cache_session_id`` to the non-streaming body and to the stream
-chunk that carries ``cache_block_ids``. Public ids are unchanged. A request whose first token is a stop
+chunk that carries ``cache_block_ids``, with the node's ticket for that cache (``cache_ticket``, issue 14) where
+the engine keeps a book of preserved caches. Public ids are unchanged. A request whose first token is a stop
 token (D8) gets a finished answer marked ``prefill_finished`` and its preserved session ended, instead of a
 500 that keeps the session. Only a Prefill node honours ``preserve_cache``: elsewhere a client could pin KV
 blocks that nothing evicts (D6) until the orphan TTL. The node also answers
@@ -26,7 +27,7 @@ import shortuuid
 
 from lmdeploy_pdfix import __version__
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
-from lmdeploy_pdfix.patches._node_routes import release_cache
+from lmdeploy_pdfix.patches._node_routes import issue_ticket, release_cache
 from lmdeploy_pdfix.patches._routes import (
     each_transformed,
     find_post_route,
@@ -41,6 +42,7 @@ from lmdeploy_pdfix.protocol import (
     CLAIM_PATH,
     COMPLETIONS_PATH,
     PREFILL_FINISHED_FIELD,
+    TicketIssuer,
     sse_chunk_with_owner,
     with_owner,
 )
@@ -114,7 +116,8 @@ def _reporting_owner(path: str, server_context):
                 return _finished_answer(path, kwargs['request'], trace)
             finally:
                 _trace.reset(token)
-            return _response_with_owner(response, single_owner(trace.sessions))
+            tickets = issue_ticket if _is_prefill(server_context) else None  # only a Prefill preserves caches
+            return _response_with_owner(response, single_owner(trace.sessions), tickets)
 
         return endpoint_reporting_owner
 
@@ -143,11 +146,11 @@ def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str,
     return {**body.model_dump(), PREFILL_FINISHED_FIELD: True}
 
 
-def _response_with_owner(response: Any, owner: int | None) -> Any:
+def _response_with_owner(response: Any, owner: int | None, tickets: TicketIssuer | None) -> Any:
     if owner is None:
         return response
-    return rewritten_answer(response, lambda body: with_owner(body, owner),
-                            lambda chunk: sse_chunk_with_owner(chunk, owner))
+    return rewritten_answer(response, lambda body: with_owner(body, owner, tickets),
+                            lambda chunk: sse_chunk_with_owner(chunk, owner, tickets))
 
 
 def _adding_capabilities(original):

@@ -1,0 +1,78 @@
+"""Cache tickets: a Prefill node vouches for the blocks of a cache it preserved, so a Decode node can check a
+``migration_request`` without a round trip (issue 14). No patching here.
+
+A ticket is an HMAC, with a key only the Prefill node's api_server process holds, over the cache owner, its
+block ids and an expiry (the end of the orphan TTL). A Decode node that has the key (it asks the Prefill node
+once, with the node credentials) knows, before its engine sees the request, that the owner and blocks are
+exactly what the Prefill preserved: a forged or mistyped migration never reaches the engine. That the cache is
+still preserved (not freed, reclaimed or aborted since) is the claim's to confirm; with a ticket the claim
+runs while the Decode migrates instead of before, and the answer waits for it.
+
+A Prefill restart makes a new key with a new key id, so a ticket of an earlier incarnation never verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_VERSION = 'v1'
+_MAC_BYTES = 16
+MAX_TICKET_CHARS = 128
+
+
+class TicketError(ValueError):
+    """A ticket that does not vouch for the cache it came with; the message says why, briefly."""
+
+
+class StaleTicketError(TicketError):
+    """A ticket made with a key this Prefill node no longer holds (an earlier incarnation's)."""
+
+
+class ExpiredTicketError(TicketError):
+    """A ticket whose cache's orphan TTL has passed: the cache may have been reclaimed."""
+
+
+@dataclass(frozen=True)
+class TicketKey:
+    """One Prefill node incarnation's ticket key: an id that names it, and the secret."""
+
+    key_id: str
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> TicketKey:
+        return cls(key_id=secrets.token_hex(8), secret=secrets.token_bytes(32))
+
+    def issue(self, owner: int, block_ids: Sequence[int], expires_at: float) -> str:
+        expiry = int(expires_at)
+        return f'{_VERSION}.{self.key_id}.{expiry}.{self._mac(expiry, owner, block_ids)}'
+
+    def verify(self, ticket: str, owner: int, block_ids: Sequence[int], now: float) -> None:
+        """Return if ``ticket`` vouches for ``owner`` holding exactly ``block_ids``; raise :class:`TicketError`."""
+        key_id, expiry = ticket_key_id(ticket), _expiry(ticket)
+        if key_id != self.key_id:
+            raise StaleTicketError('cache_ticket was issued by an earlier incarnation of the Prefill node')
+        if not hmac.compare_digest(ticket.rsplit('.', 1)[1], self._mac(expiry, owner, block_ids)):
+            raise TicketError('cache_ticket does not vouch for this owner and these block ids')
+        if now > expiry:
+            raise ExpiredTicketError('cache_ticket has expired (the orphan TTL of its cache has passed)')
+
+    def _mac(self, expiry: int, owner: int, block_ids: Sequence[int]) -> str:
+        message = f'{self.key_id}.{expiry}.{owner}.{",".join(map(str, block_ids))}'.encode()
+        return hmac.new(self.secret, message, hashlib.sha256).digest()[:_MAC_BYTES].hex()
+
+
+def ticket_key_id(ticket: str) -> str:
+    """The id of the key ``ticket`` claims to be made with; raise :class:`TicketError` if it is not a ticket."""
+    parts = ticket.split('.')
+    if len(ticket) > MAX_TICKET_CHARS or len(parts) != 4 or parts[0] != _VERSION or not parts[2].isdigit():
+        raise TicketError('cache_ticket is not a ticket')
+    return parts[1]
+
+
+def _expiry(ticket: str) -> int:
+    return int(ticket.split('.')[2])

@@ -1,0 +1,214 @@
+"""Cache tickets take the Decode node's claim off the request path without losing what it protects (issue 14).
+
+A Prefill node's ticket vouches for a cache's owner and blocks; a Decode node that can check it sends the
+request to its engine at once and lets the claim (is the cache still preserved?) run meanwhile: the answer
+waits for the claim, and a refusal stops the request and is the answer. A ticket that does not vouch for the
+request is refused before the engine, with no claim. The Decode node is LMDeploy's real OpenAI router; the
+Prefill node it asks is a stand-in served over HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from lmdeploy_pdfix.protocol import (
+    CACHE_TICKET_FIELD,
+    CLAIM_PATH,
+    COMPLETIONS_PATH,
+    TICKET_KEY_PATH,
+    parse_ticket_key,
+    ticket_key_answer,
+)
+from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey
+from tests.servers import serving
+from tests.test_node_input import migrating, node_client
+from tests.test_serving_owner import MODEL, FakePrefillEngine
+
+OWNER, BLOCKS = 7, [1, 2]
+LATER = time.time() + 600
+
+
+def test_a_ticket_vouches_for_exactly_its_owner_and_blocks_until_it_expires() -> None:
+    key = TicketKey.generate()
+    ticket = key.issue(OWNER, BLOCKS, expires_at=1000.0)
+    key.verify(ticket, OWNER, BLOCKS, now=999.0)
+    for owner, blocks in ((OWNER + 1, BLOCKS), (OWNER, [1, 3]), (OWNER, [1, 2, 3]), (OWNER, [2, 1])):
+        with pytest.raises(TicketError, match='does not vouch'):
+            key.verify(ticket, owner, blocks, now=999.0)
+    with pytest.raises(ExpiredTicketError):
+        key.verify(ticket, OWNER, BLOCKS, now=1001.0)
+    with pytest.raises(StaleTicketError):  # another incarnation of the Prefill node
+        TicketKey.generate().verify(ticket, OWNER, BLOCKS, now=999.0)
+    forged = ticket.rsplit('.', 1)[0] + '.' + '0' * 32
+    with pytest.raises(TicketError, match='does not vouch'):
+        key.verify(forged, OWNER, BLOCKS, now=999.0)
+
+
+class StandInPrefill:
+    """A Prefill node's ticket key and claim routes; each claim waits until the test lets it answer."""
+
+    def __init__(self) -> None:
+        self.key = TicketKey.generate()
+        self.claims: list[dict[str, Any]] = []
+        self.key_requests = 0
+        self.verdict = ('claimed', 200)
+        self.answer_claims = threading.Event()
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get(TICKET_KEY_PATH)
+        async def ticket_key() -> dict[str, str]:
+            self.key_requests += 1
+            return ticket_key_answer(self.key)
+
+        @app.post(CLAIM_PATH)
+        async def claim(request: Request) -> JSONResponse:
+            self.claims.append(await request.json())
+            await asyncio.to_thread(self.answer_claims.wait, 10)
+            status, code = self.verdict
+            return JSONResponse({'status': status, 'detail': f'preserved cache {status}'}, code)
+
+        return app
+
+    def ticket(self, block_ids: list[int] = BLOCKS) -> str:
+        return self.key.issue(OWNER, block_ids, LATER)
+
+
+class HeldDecodeEngine(FakePrefillEngine):
+    """A Decode engine whose request runs until it is stopped or let go, noting when it began and ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.stopped = False
+
+    async def generate(self, request: Any, stream_response: bool = True) -> AsyncIterator[Any]:
+        self.started.set()
+        try:
+            await self.let_go.wait()
+        except asyncio.CancelledError:
+            self.stopped = True
+            raise
+        async for output in super().generate(request, stream_response):
+            yield output
+
+
+@pytest.fixture
+def prefill() -> Iterator[tuple[StandInPrefill, str]]:
+    node = StandInPrefill()
+    with serving(node.app()) as url:
+        yield node, url
+    node.answer_claims.set()
+
+
+@pytest.fixture
+async def decode(apply_patch: Callable[[str], ModuleType],
+                 prefill: tuple[StandInPrefill, str]) -> AsyncIterator[tuple[httpx.AsyncClient, HeldDecodeEngine]]:
+    api_server = apply_patch('decode_migration_checks')
+    from lmdeploy_pdfix.patches._node_routes import NODE
+
+    NODE.linked_peers.add(prefill[1])  # as the proxy's link set-up notes it
+    engine = HeldDecodeEngine()
+    try:
+        async with await node_client(api_server, engine) as client:
+            yield client, engine
+    finally:
+        engine.let_go.set()  # a request a failed test left in the engine ends
+        NODE.linked_peers.discard(prefill[1])
+
+
+def vouched(url: str, ticket: str, **migration: Any) -> dict[str, Any]:
+    return migrating(remote_engine_id=url, **{CACHE_TICKET_FIELD: ticket, **migration})
+
+
+async def _until(condition: Callable[[], bool], within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.regression
+async def test_a_vouched_migration_reaches_the_engine_while_its_claim_is_on_its_way_and_answers_once_confirmed(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
+    (node, url), (client, engine) = prefill, decode
+    answer = asyncio.ensure_future(client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket())))
+    assert await _until(lambda: engine.started.is_set() and len(node.claims) == 1)
+    assert not answer.done()  # the claim has not answered: neither has the request
+    engine.let_go.set()
+    await asyncio.sleep(0.2)
+    assert not answer.done()  # the engine is done; the answer waits for the claim
+    node.answer_claims.set()
+    response = await asyncio.wait_for(answer, 10)
+    assert response.status_code == 200, response.text
+    assert node.claims == [{'owner': OWNER, 'block_ids': BLOCKS}]
+
+
+@pytest.mark.regression
+async def test_a_claim_that_refuses_a_vouched_migration_stops_its_request_and_is_the_answer(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
+    (node, url), (client, engine) = prefill, decode
+    node.verdict = ('not_found', 404)  # freed or aborted since the Prefill answered
+    answer = asyncio.ensure_future(client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket())))
+    assert await _until(engine.started.is_set)
+    node.answer_claims.set()
+    response = await asyncio.wait_for(answer, 10)
+    assert response.status_code == 404 and 'migration_request refused' in response.json()['message']
+    assert engine.stopped  # whatever it copied is never decoded into an answer
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('case', ['other blocks', 'other key', 'expired', 'not a ticket'])
+async def test_a_ticket_that_does_not_vouch_for_the_migration_is_refused_before_the_engine(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine], case: str) -> None:
+    (node, url), (client, engine) = prefill, decode
+    ticket, status = {
+        'other blocks': (node.ticket([1, 3]), 409),
+        'other key': (TicketKey.generate().issue(OWNER, BLOCKS, LATER), 410),
+        'expired': (node.key.issue(OWNER, BLOCKS, time.time() - 1), 410),
+        'not a ticket': ('v1.abc', 400),
+    }[case]
+    engine.let_go.set()
+    response = await client.post(COMPLETIONS_PATH, json=vouched(url, ticket))
+    assert response.status_code == status and 'migration_request refused' in response.json()['message'], response.text
+    assert not engine.started.is_set() and node.claims == []
+
+
+@pytest.mark.regression
+async def test_a_decode_node_asks_a_prefill_node_for_its_key_once_and_again_after_it_restarted(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
+    (node, url), (client, engine) = prefill, decode
+    node.answer_claims.set()
+    engine.let_go.set()
+    for _ in range(3):
+        assert (await client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket()))).status_code == 200
+    node.key = TicketKey.generate()  # the Prefill node restarted
+    assert (await client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket()))).status_code == 200
+    assert node.key_requests == 2 and len(node.claims) == 4
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('path', [COMPLETIONS_PATH, '/v1/chat/completions'])
+async def test_a_prefill_answer_carries_a_ticket_its_node_key_verifies_for_that_cache(
+        apply_patch: Callable[[str], ModuleType], path: str) -> None:
+    for unit in ('engine_sessions', 'node_cache_routes', 'link_routes'):
+        apply_patch(unit)
+    api_server = apply_patch('serving_cache_owner')
+    body = {'model': MODEL, 'max_completion_tokens': 1, 'with_cache': True, 'preserve_cache': True,
+            **({'prompt': 'hi'} if path == COMPLETIONS_PATH else {'messages': [{'role': 'user', 'content': 'hi'}]})}
+    async with await node_client(api_server, FakePrefillEngine()) as node:
+        answer = (await node.post(path, json=body)).json()
+        key = parse_ticket_key((await node.get(TICKET_KEY_PATH)).json())
+    key.verify(answer[CACHE_TICKET_FIELD], answer['cache_session_id'], answer['cache_block_ids'], time.time())
