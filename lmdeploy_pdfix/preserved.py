@@ -22,7 +22,7 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 
-_REMEMBERED_RECLAIMS = 4096
+_REMEMBERED_RECLAIMS = 4096  # owners remembered after their release, per kind
 _AGE_BUCKETS_S = (10.0, 60.0, 300.0)
 
 
@@ -71,6 +71,8 @@ class PreservedBook:
         self._clock = clock
         self._caches: dict[int, PreservedCache] = {}
         self._reclaimed: OrderedDict[int, None] = OrderedDict()
+        # caches their Decode freed after copying them: a claim that ran alongside the copy may come after the free
+        self._migrated: OrderedDict[int, PreservedCache] = OrderedDict()
         self.releases: Counter[str] = Counter()
         self.frees: Counter[str] = Counter()
         self.claims: Counter[str] = Counter()
@@ -93,10 +95,12 @@ class PreservedBook:
         """Whether ``owner``'s session may be ended for ``cause``: only RELEASED allows it."""
         answer = self._judge_release(owner, session_exists)
         if answer.verdict is Verdict.RELEASED:
-            del self._caches[owner]
+            cache = self._caches.pop(owner)
             self.releases[cause.value] += 1
             if cause is ReleaseCause.RECLAIMED:
                 self._remember_reclaim(owner)
+            elif cause is ReleaseCause.DECODE_FREED:
+                _remember(self._migrated, owner, cache)
         else:
             self.frees[answer.counted_as or answer.verdict.value] += 1
         return answer
@@ -162,12 +166,22 @@ class PreservedBook:
         if owner in self._reclaimed:
             return Answer(Verdict.RECLAIMED, f'preserved cache {owner} was reclaimed after the orphan TTL '
                                              f'({self.orphan_ttl_s:g} s); its blocks may hold other data now')
+        migrated = self._migrated.get(owner)
+        if migrated is not None and migrated.block_ids == block_ids and not migrated.claimed:
+            # preserved from its answer until its Decode freed it after the copy: the copy read it intact. Once
+            # only: a second migration of the same cache would have copied blocks freed since.
+            migrated.claimed = True
+            return Answer(Verdict.CLAIMED, f'preserved cache {owner} was copied and freed by its Decode node')
         return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node')
 
     def _remember_reclaim(self, owner: int) -> None:
-        self._reclaimed[owner] = None
-        while len(self._reclaimed) > _REMEMBERED_RECLAIMS:
-            self._reclaimed.popitem(last=False)
+        _remember(self._reclaimed, owner, None)
+
+
+def _remember(memory: OrderedDict[int, Any], owner: int, value: Any) -> None:
+    memory[owner] = value
+    while len(memory) > _REMEMBERED_RECLAIMS:
+        memory.popitem(last=False)
 
 
 def _by_age(ages: list[float]) -> dict[str, int]:

@@ -81,8 +81,8 @@ class StandInPrefill:
 
         return app
 
-    def ticket(self, block_ids: list[int] = BLOCKS) -> str:
-        return self.key.issue(OWNER, block_ids, LATER)
+    def ticket(self, block_ids: list[int] = BLOCKS, owner: int = OWNER) -> str:
+        return self.key.issue(owner, block_ids, LATER)
 
 
 class HeldDecodeEngine(FakePrefillEngine):
@@ -131,6 +131,11 @@ async def decode(apply_patch: Callable[[str], ModuleType],
 
 def vouched(url: str, ticket: str, **migration: Any) -> dict[str, Any]:
     return migrating(remote_engine_id=url, **{CACHE_TICKET_FIELD: ticket, **migration})
+
+
+def answering_at_once(node: StandInPrefill, engine: HeldDecodeEngine) -> None:
+    node.answer_claims.set()
+    engine.let_go.set()
 
 
 async def _until(condition: Callable[[], bool], within_s: float = 5.0) -> bool:
@@ -190,13 +195,26 @@ async def test_a_ticket_that_does_not_vouch_for_the_migration_is_refused_before_
 async def test_a_decode_node_asks_a_prefill_node_for_its_key_once_and_again_after_it_restarted(
         prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
     (node, url), (client, engine) = prefill, decode
-    node.answer_claims.set()
-    engine.let_go.set()
-    for _ in range(3):
-        assert (await client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket()))).status_code == 200
+    answering_at_once(node, engine)
+    for owner in range(3):
+        ticket = node.ticket(owner=owner)
+        response = await client.post(COMPLETIONS_PATH, json=vouched(url, ticket, remote_session_id=owner))
+        assert response.status_code == 200, response.text
     node.key = TicketKey.generate()  # the Prefill node restarted
     assert (await client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket()))).status_code == 200
     assert node.key_requests == 2 and len(node.claims) == 4
+
+
+@pytest.mark.regression
+async def test_a_ticket_used_once_is_refused_the_second_time(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
+    # the first migration's free gave the blocks back: a second copy of them may read another request's KV
+    (node, url), (client, engine) = prefill, decode
+    answering_at_once(node, engine)
+    first, again = [await client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket())) for _ in range(2)]
+    assert first.status_code == 200, first.text
+    assert again.status_code == 409 and 'already used' in again.json()['message']
+    assert len(node.claims) == 1
 
 
 @pytest.mark.regression

@@ -77,3 +77,19 @@ def test_the_audit_buckets_preserved_caches_by_age() -> None:
     assert audit['preserved'] == 2
     assert audit['preserved_by_age_s'] == {'<10': 1, '<60': 0, '<300': 1, '>=300': 0}
     assert audit['oldest_age_s'] == 70.0
+
+
+def test_a_claim_that_comes_after_its_decode_freed_the_copied_cache_is_confirmed_once() -> None:
+    # With a ticket the claim runs alongside the copy; under load it may reach the Prefill after the Decode's free.
+    book, _ = book_with_one_cache()
+    assert book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True).verdict is Verdict.RELEASED
+    assert book.claim(OWNER, [4]).verdict is Verdict.NOT_FOUND  # not its blocks
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.NOT_FOUND  # a second migration of it is not confirmed
+
+
+def test_a_cache_claimed_before_its_decode_freed_it_is_not_confirmed_again() -> None:
+    book, _ = book_with_one_cache()
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
+    book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True)
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.NOT_FOUND

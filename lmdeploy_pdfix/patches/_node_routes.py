@@ -25,7 +25,7 @@ import contextlib
 import importlib
 import json
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -59,7 +59,8 @@ from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketE
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 TICKET_KEY_TIMEOUT_S = 5.0
-NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
+NO_TICKET_KEY_RETRY_S = 5.0
+SPENT_TICKETS_REMEMBERED = 65536  # a Prefill node that gave no key is asked again after this long
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
     Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
@@ -283,6 +284,17 @@ class TicketKeys:
     def __init__(self) -> None:
         self._keys: dict[str, tuple[TicketKey | None, float]] = {}
         self._asking: dict[str, asyncio.Future] = {}
+        self._spent: OrderedDict[str, None] = OrderedDict()
+
+    def spend(self, ticket: str) -> bool:
+        """Note ``ticket`` as used; False if it was already (a cache is migrated once: a second migration would
+        copy blocks its first one's free gave back)."""
+        if ticket in self._spent:
+            return False
+        self._spent[ticket] = None
+        while len(self._spent) > SPENT_TICKETS_REMEMBERED:
+            self._spent.popitem(last=False)
+        return True
 
     async def key(self, prefill: str, *, renew: bool = False) -> TicketKey | None:
         known = self._keys.get(prefill)
@@ -323,6 +335,8 @@ async def _vouched_for(order: MigrationOrder) -> bool:
             return False
         try:
             key.verify(order.ticket, order.owner, order.block_ids, time.time())
+            if not TICKET_KEYS.spend(order.ticket):
+                raise _TicketRefused(HTTPStatus.CONFLICT, 'cache_ticket was already used: a cache migrates once')
             return True
         except StaleTicketError as exc:
             if renew:
