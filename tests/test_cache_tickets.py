@@ -146,10 +146,12 @@ async def _until(condition: Callable[[], bool], within_s: float = 5.0) -> bool:
 
 
 @pytest.mark.regression
+@pytest.mark.parametrize('stream', [False, True])
 async def test_a_vouched_migration_reaches_the_engine_while_its_claim_is_on_its_way_and_answers_once_confirmed(
-        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine], stream: bool) -> None:
     (node, url), (client, engine) = prefill, decode
-    answer = asyncio.ensure_future(client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket())))
+    body = {**vouched(url, node.ticket()), 'stream': stream}
+    answer = asyncio.ensure_future(client.post(COMPLETIONS_PATH, json=body))
     assert await _until(lambda: engine.started.is_set() and len(node.claims) == 1)
     assert not answer.done()  # the claim has not answered: neither has the request
     engine.let_go.set()
@@ -157,16 +159,18 @@ async def test_a_vouched_migration_reaches_the_engine_while_its_claim_is_on_its_
     assert not answer.done()  # the engine is done; the answer waits for the claim
     node.answer_claims.set()
     response = await asyncio.wait_for(answer, 10)
-    assert response.status_code == 200, response.text
+    assert response.status_code == 200 and 'Hello' in response.text, response.text
     assert node.claims == [{'owner': OWNER, 'block_ids': BLOCKS}]
 
 
 @pytest.mark.regression
+@pytest.mark.parametrize('stream', [False, True])
 async def test_a_claim_that_refuses_a_vouched_migration_stops_its_request_and_is_the_answer(
-        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine]) -> None:
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine], stream: bool) -> None:
     (node, url), (client, engine) = prefill, decode
     node.verdict = ('not_found', 404)  # freed or aborted since the Prefill answered
-    answer = asyncio.ensure_future(client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket())))
+    body = {**vouched(url, node.ticket()), 'stream': stream}
+    answer = asyncio.ensure_future(client.post(COMPLETIONS_PATH, json=body))
     assert await _until(engine.started.is_set)
     node.answer_claims.set()
     response = await asyncio.wait_for(answer, 10)

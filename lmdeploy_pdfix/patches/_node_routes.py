@@ -249,7 +249,9 @@ async def answer_once_confirmed(work: Awaitable[Any], confirmation: asyncio.Futu
     with contextlib.suppress(Exception, asyncio.CancelledError):
         answer = await task
         if isinstance(answer, StreamingResponse):  # it answered before the cancel: nobody reads it
-            await answer.body_iterator.aclose()
+            events = answer.body_iterator
+            await events.__anext__()  # into _after's try, so that closing it closes LMDeploy's stream too
+            await events.aclose()
     return refusal
 
 
