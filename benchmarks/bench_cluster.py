@@ -4,8 +4,8 @@
    through both, interleaved (which goes first alternates), so both see the same host load. Reported:
    p50/p90/p99 latency, requests/s and proxy CPU ms per request, each with patched/stock.
 2. Concurrent, patched only (stock answers no concurrent DistServe load; see the defect index): throughput,
-   p50/p99 at concurrency 8 and 64, and proxy CPU ms per request, at each scale (1P+1D, 2P+2D, 4P+4D), so the
-   proxy's cost per request can be read against the number of nodes.
+   p50/p99 at concurrency 1, 8 and 64, and proxy CPU ms per request, at each scale (1P+1D, 2P+2D, 4P+4D), with
+   each scale's proxy CPU per request over 1P+1D's, so the proxy's cost can be read against the number of nodes.
 
 Every answer is checked against the emulated model's exact text; Prefill sessions left after each load are
 counted. Exit status 1 when an answer was wrong or a session was left. ``--json`` prints only JSON on stdout.
@@ -27,7 +27,7 @@ from lmdeploy_pdfix.sim import client
 from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
 from lmdeploy_pdfix.soak import percentile
 
-CONCURRENCIES = (8, 64)
+CONCURRENCIES = (1, 8, 64)  # 1: the proxy's own cost per request, least blurred by host contention
 KIND = 'completions'
 MAX_TOKENS = 8
 
@@ -163,7 +163,20 @@ def render(figures: dict[str, Any]) -> str:
             lines.append(f'{scale.upper():<8}{concurrency:>6}{load["req_per_s"]:>8}{load["p50_ms"]:>9}'
                          f'{load["p99_ms"]:>9}{load["proxy_cpu_ms_per_request"]:>18}'
                          f'{load["exact"]:>6}/{load["requests"]:<4}{loads["prefill_sessions_left"]:>15}')
+    lines += ['', 'proxy CPU per request over 1P1D\'s, by concurrency: ' + '; '.join(
+        f'{scale.upper()} ' + ', '.join(f'c={c} {ratio}' for c, ratio in ratios.items())
+        for scale, ratios in figures['proxy_cpu_growth_over_1p1d'].items())]
     return '\n'.join(lines)
+
+
+def cpu_growth(figures: dict[str, Any]) -> dict[str, dict[int, str]]:
+    """Each scale's proxy CPU ms per request over 1P+1D's, at each concurrency (flat: about 1)."""
+    loads = figures['concurrent']
+    base = loads.get('1p1d')
+    if base is None:
+        return {}
+    return {scale: {c: _ratio(load[f'c{c}']['proxy_cpu_ms_per_request'], base[f'c{c}']['proxy_cpu_ms_per_request'])
+                    for c in CONCURRENCIES} for scale, load in loads.items() if scale != '1p1d'}
 
 
 def all_exact(figures: dict[str, Any]) -> bool:
@@ -187,6 +200,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument('--json', action='store_true', help='print only the figures, as JSON, on stdout')
     args = parser.parse_args(argv)
     figures = run(args)
+    figures['proxy_cpu_growth_over_1p1d'] = cpu_growth(figures)
     print(json.dumps(figures, indent=2) if args.json else render(figures))
     return 0 if all_exact(figures) else 1
 
