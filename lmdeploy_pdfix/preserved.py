@@ -22,7 +22,7 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 
-_REMEMBERED_RECLAIMS = 4096  # owners remembered after their release, per kind
+_REMEMBERED_RELEASES = 4096  # owners remembered after their release, per kind
 _AGE_BUCKETS_S = (10.0, 60.0, 300.0)
 
 
@@ -98,9 +98,9 @@ class PreservedBook:
             cache = self._caches.pop(owner)
             self.releases[cause.value] += 1
             if cause is ReleaseCause.RECLAIMED:
-                self._remember_reclaim(owner)
+                remember_recent(self._reclaimed, owner, None)
             elif cause is ReleaseCause.DECODE_FREED:
-                _remember(self._migrated, owner, cache)
+                remember_recent(self._migrated, owner, cache)
         else:
             self.frees[answer.counted_as or answer.verdict.value] += 1
         return answer
@@ -174,13 +174,11 @@ class PreservedBook:
             return Answer(Verdict.CLAIMED, f'preserved cache {owner} was copied and freed by its Decode node')
         return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node')
 
-    def _remember_reclaim(self, owner: int) -> None:
-        _remember(self._reclaimed, owner, None)
 
-
-def _remember(memory: OrderedDict[int, Any], owner: int, value: Any) -> None:
-    memory[owner] = value
-    while len(memory) > _REMEMBERED_RECLAIMS:
+def remember_recent(memory: OrderedDict[Any, Any], key: Any, value: Any, limit: int = _REMEMBERED_RELEASES) -> None:
+    """Note ``key`` in ``memory``, forgetting the oldest beyond ``limit``."""
+    memory[key] = value
+    while len(memory) > limit:
         memory.popitem(last=False)
 
 

@@ -53,10 +53,10 @@ class TicketKey:
 
     def verify(self, ticket: str, owner: int, block_ids: Sequence[int], now: float) -> None:
         """Return if ``ticket`` vouches for ``owner`` holding exactly ``block_ids``; raise :class:`TicketError`."""
-        key_id, expiry = ticket_key_id(ticket), _expiry(ticket)
+        key_id, expiry, mac = _parts(ticket)
         if key_id != self.key_id:
             raise StaleTicketError('cache_ticket was issued by an earlier incarnation of the Prefill node')
-        if not hmac.compare_digest(ticket.rsplit('.', 1)[1], self._mac(expiry, owner, block_ids)):
+        if not hmac.compare_digest(mac, self._mac(expiry, owner, block_ids)):
             raise TicketError('cache_ticket does not vouch for this owner and these block ids')
         if now > expiry:
             raise ExpiredTicketError('cache_ticket has expired (the orphan TTL of its cache has passed)')
@@ -68,11 +68,12 @@ class TicketKey:
 
 def ticket_key_id(ticket: str) -> str:
     """The id of the key ``ticket`` claims to be made with; raise :class:`TicketError` if it is not a ticket."""
+    return _parts(ticket)[0]
+
+
+def _parts(ticket: str) -> tuple[str, int, str]:
+    """A ticket's key id, expiry and MAC; raise :class:`TicketError` if it is not a ticket."""
     parts = ticket.split('.')
     if len(ticket) > MAX_TICKET_CHARS or len(parts) != 4 or parts[0] != _VERSION or not parts[2].isdigit():
         raise TicketError('cache_ticket is not a ticket')
-    return parts[1]
-
-
-def _expiry(ticket: str) -> int:
-    return int(ticket.split('.')[2])
+    return parts[1], int(parts[2]), parts[3]

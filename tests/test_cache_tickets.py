@@ -234,3 +234,26 @@ async def test_a_prefill_answer_carries_a_ticket_its_node_key_verifies_for_that_
         answer = (await node.post(path, json=body)).json()
         key = parse_ticket_key((await node.get(TICKET_KEY_PATH)).json())
     key.verify(answer[CACHE_TICKET_FIELD], answer['cache_session_id'], answer['cache_block_ids'], time.time())
+
+
+HOSTILE_TICKETS = {
+    'a number': 123,
+    'a boolean': True,
+    'the string "false"': 'false',
+    'an array': ['v1', 'a', '1', 'b'],
+    'an object': {'key_id': 'a'},
+    'a 100,000-character string': 'v1.' + 'a' * 100_000,
+    'a 100-digit expiry': 'v1.a.' + '9' * 100 + '.b',
+    'an empty key id': 'v1..1.' + '0' * 32,
+}
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('ticket', HOSTILE_TICKETS.values(), ids=HOSTILE_TICKETS.keys())
+async def test_a_hostile_ticket_gets_a_short_4xx_and_never_reaches_the_engine_or_the_prefill(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine], ticket: Any) -> None:
+    (node, url), (client, engine) = prefill, decode
+    answering_at_once(node, engine)
+    response = await client.post(COMPLETIONS_PATH, json=vouched(url, ticket))
+    assert 400 <= response.status_code < 500 and len(response.text) < 400, response.text
+    assert not engine.started.is_set() and node.claims == []

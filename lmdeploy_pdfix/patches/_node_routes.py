@@ -40,7 +40,7 @@ from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_owner_id
 from lmdeploy_pdfix.patches._client import node_client
 from lmdeploy_pdfix.patching import PatchState, installation, warn, warn_once
-from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
+from lmdeploy_pdfix.preserved import ReleaseCause, Verdict, remember_recent
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
     CLAIM_PATH,
@@ -59,8 +59,9 @@ from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketE
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 TICKET_KEY_TIMEOUT_S = 5.0
-NO_TICKET_KEY_RETRY_S = 5.0
-SPENT_TICKETS_REMEMBERED = 65536  # a Prefill node that gave no key is asked again after this long
+NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
+SPENT_TICKETS_REMEMBERED = 65536  # far more than a Decode node migrates within a ticket's life
+ORPHAN_TTL_S = settings.ORPHAN_TTL_S.value()  # read once, as the engine's book reads it at its start
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
     Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
@@ -192,7 +193,7 @@ def issue_ticket(owner: int, block_ids: list[int]) -> str | None:
     None where the engine keeps no book (no claim could confirm the cache either)."""
     if not engine_book_available():
         return None
-    return NODE.ticket_key.issue(owner, block_ids, time.time() + settings.ORPHAN_TTL_S.value())
+    return NODE.ticket_key.issue(owner, block_ids, time.time() + ORPHAN_TTL_S)
 
 
 @dataclass
@@ -293,9 +294,7 @@ class TicketKeys:
         copy blocks its first one's free gave back)."""
         if ticket in self._spent:
             return False
-        self._spent[ticket] = None
-        while len(self._spent) > SPENT_TICKETS_REMEMBERED:
-            self._spent.popitem(last=False)
+        remember_recent(self._spent, ticket, None, SPENT_TICKETS_REMEMBERED)
         return True
 
     async def key(self, prefill: str, *, renew: bool = False) -> TicketKey | None:
