@@ -82,7 +82,9 @@ async def test_the_proxy_reuses_its_connections_to_the_nodes(distserve: Cluster)
         async with httpx.AsyncClient(timeout=30) as client:
             response = await client.post(distserve.url + '/v1/completions', json={**COMPLETION, 'stream': i % 2 == 1})
         assert response.status_code == 200
-    assert len(distserve.prefill.client_ports) <= 2 and len(distserve.decode.client_ports) <= 2
+    # stock opens 12 each; a pool may open a few: a streamed answer's connection returns to it only once the
+    # proxy has read the stream's end, which on a busy host comes after the client's next request (CI saw 3)
+    assert len(distserve.prefill.client_ports) <= 4 and len(distserve.decode.client_ports) <= 4
     assert distserve.prefill.retained == set() and distserve.prefill.invalid_frees == []
 
 
