@@ -18,6 +18,7 @@ import hmac
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 _VERSION = 'v1'
 _MAC_BYTES = 16
@@ -36,6 +37,13 @@ class ExpiredTicketError(TicketError):
     """A ticket whose cache's orphan TTL has passed: the cache may have been reclaimed."""
 
 
+class Voucher(NamedTuple):
+    """What a verified ticket vouched for, as a Decode node remembers it: its MAC (one per cache) and expiry."""
+
+    mac: bytes
+    expires_at: int
+
+
 @dataclass(frozen=True)
 class TicketKey:
     """One Prefill node incarnation's ticket key: an id that names it, and the secret."""
@@ -51,8 +59,9 @@ class TicketKey:
         expiry = int(expires_at)
         return f'{_VERSION}.{self.key_id}.{expiry}.{self._mac(expiry, owner, block_ids)}'
 
-    def verify(self, ticket: str, owner: int, block_ids: Sequence[int], now: float) -> None:
-        """Return if ``ticket`` vouches for ``owner`` holding exactly ``block_ids``; raise :class:`TicketError`."""
+    def verify(self, ticket: str, owner: int, block_ids: Sequence[int], now: float) -> Voucher:
+        """``ticket``'s voucher if it vouches for ``owner`` holding exactly ``block_ids``; else raise
+        :class:`TicketError`."""
         key_id, expiry, mac = _parts(ticket)
         if key_id != self.key_id:
             raise StaleTicketError('cache_ticket was issued by an earlier incarnation of the Prefill node')
@@ -60,6 +69,7 @@ class TicketKey:
             raise TicketError('cache_ticket does not vouch for this owner and these block ids')
         if now > expiry:
             raise ExpiredTicketError('cache_ticket has expired (the orphan TTL of its cache has passed)')
+        return Voucher(bytes.fromhex(mac), expiry)
 
     def _mac(self, expiry: int, owner: int, block_ids: Sequence[int]) -> str:
         message = f'{self.key_id}.{expiry}.{owner}.{",".join(map(str, block_ids))}'.encode()

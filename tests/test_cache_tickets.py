@@ -59,6 +59,20 @@ def test_a_ticket_vouches_for_exactly_its_owner_and_blocks_until_it_expires() ->
         key.verify(forged, OWNER, BLOCKS, now=999.0)
 
 
+def test_a_decode_node_remembers_a_used_ticket_until_it_expires_and_no_longer() -> None:
+    # a replay is refused while the ticket could still verify; after that the ticket itself is refused as expired,
+    # so the Decode's memory of used tickets follows the orphan TTL, not the traffic
+    from lmdeploy_pdfix.patches._node_routes import TicketKeys
+
+    keys, key = TicketKeys(), TicketKey.generate()
+    early, late = (key.verify(key.issue(OWNER, [block], expiry), OWNER, [block], now=0.0)
+                   for block, expiry in ((1, 100.0), (2, 200.0)))
+    assert keys.spend(early, now=0.0) and keys.spend(late, now=0.0)
+    assert not keys.spend(early, now=99.0) and not keys.spend(late, now=99.0)
+    assert keys.spend(early, now=101.0)  # forgotten once expired
+    assert not keys.spend(late, now=101.0)
+
+
 class StandInPrefill:
     """A Prefill node's ticket key and claim routes; each claim waits until the test lets it answer."""
 

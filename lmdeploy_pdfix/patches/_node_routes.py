@@ -54,13 +54,13 @@ from lmdeploy_pdfix.protocol import (
     parse_ticket_key,
     ticket_key_answer,
 )
-from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey
+from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey, Voucher
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 TICKET_KEY_TIMEOUT_S = 5.0
 NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
-SPENT_TICKETS_REMEMBERED = 65536  # far more than a Decode node migrates within a ticket's life
+SPENT_TICKETS_REMEMBERED = 65536  # a cap: used tickets are forgotten as they expire, about 7 MB when full
 ORPHAN_TTL_S = settings.ORPHAN_TTL_S.value()  # read once, as the engine's book reads it at its start
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
@@ -287,15 +287,24 @@ class TicketKeys:
     def __init__(self) -> None:
         self._keys: dict[str, tuple[TicketKey | None, float]] = {}
         self._asking: dict[str, asyncio.Future] = {}
-        self._spent: OrderedDict[str, None] = OrderedDict()
+        self._spent: OrderedDict[bytes, int] = OrderedDict()  # a used ticket's MAC: its expiry
 
-    def spend(self, ticket: str) -> bool:
-        """Note ``ticket`` as used; False if it was already (a cache is migrated once: a second migration would
-        copy blocks its first one's free gave back)."""
-        if ticket in self._spent:
+    def spend(self, voucher: Voucher, now: float) -> bool:
+        """Note a verified ticket as used; False if it was already (a cache is migrated once: a second migration
+        would copy blocks its first one's free gave back)."""
+        self._forget_expired(now)
+        if voucher.mac in self._spent:
             return False
-        remember_recent(self._spent, ticket, None, SPENT_TICKETS_REMEMBERED)
+        remember_recent(self._spent, voucher.mac, voucher.expires_at, SPENT_TICKETS_REMEMBERED)
         return True
+
+    def _forget_expired(self, now: float) -> None:
+        # an expired ticket is refused as expired anyway; the oldest noted expire first (one orphan TTL each)
+        while self._spent:
+            mac, expires_at = next(iter(self._spent.items()))
+            if expires_at >= now:
+                return
+            del self._spent[mac]
 
     async def key(self, prefill: str, *, renew: bool = False) -> TicketKey | None:
         known = self._keys.get(prefill)
@@ -335,8 +344,8 @@ async def _vouched_for(order: MigrationOrder) -> bool:
         if key is None:
             return False
         try:
-            key.verify(order.ticket, order.owner, order.block_ids, time.time())
-            if not TICKET_KEYS.spend(order.ticket):
+            now = time.time()
+            if not TICKET_KEYS.spend(key.verify(order.ticket, order.owner, order.block_ids, now), now):
                 raise _TicketRefused(HTTPStatus.CONFLICT, 'cache_ticket was already used: a cache migrates once')
             return True
         except StaleTicketError as exc:
