@@ -60,7 +60,7 @@ ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 TICKET_KEY_TIMEOUT_S = 5.0
 NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
-SPENT_TICKETS_REMEMBERED = 65536  # a cap: used tickets are forgotten as they expire, about 7 MB when full
+SPENT_TICKETS_REMEMBERED = 65536  # a cap: used tickets are forgotten as they expire; about 11 MiB when full
 ORPHAN_TTL_S = settings.ORPHAN_TTL_S.value()  # read once, as the engine's book reads it at its start
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
