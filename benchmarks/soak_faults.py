@@ -29,6 +29,7 @@ from lmdeploy_pdfix.soak import Sampler, discover_nodes, percentile, write_sampl
 
 ENGINE_FAULTS = ('transfer_fails', 'cancelled_prefill', 'bad_migration', 'orphan', 'unknown_free')
 ORPHAN_TTL_S = 5.0  # short, so the soak's orphans are reclaimed before it ends
+RSS_AT = (0.0, 0.3, 1.0)  # the points of the run, as shares of its samples, whose RSS the summary reports
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument('--fault-rate', type=float, default=0.04, help='share of requests made faulty by the client')
     parser.add_argument('--engine-fault-rate', type=float, default=0.0, help='share given an engine-side fault')
     parser.add_argument('--decode-restarts', type=int, default=2)
+    parser.add_argument('--orphan-ttl-s', type=float, default=ORPHAN_TTL_S,
+                        help='the Prefill\'s orphan TTL (also how long a Decode remembers a used cache ticket); '
+                             'the soak waits 1.5 times it for the last orphans when it plans any')
     parser.add_argument('--stock', action='store_true')
     parser.add_argument('--seed', type=int, default=4967)
     parser.add_argument('--out', type=Path, default=Path('artifacts/soak-faults'))
@@ -97,25 +101,36 @@ def _status(method: str, url: str, body: dict[str, Any]) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     mode = 'stock' if args.stock else 'patched'
     config = ClusterConfig(stock=args.stock, log_dir=args.out / mode / 'logs', model_dir=args.out / 'model',
-                           env={'LMDEPLOY_PDFIX_ORPHAN_TTL_S': str(ORPHAN_TTL_S)})
+                           env={'LMDEPLOY_PDFIX_ORPHAN_TTL_S': str(args.orphan_ttl_s)})
     with Cluster(config) as cluster:
         prefill = cluster.prefill_urls[0]
         baseline = cluster.settled_state(prefill)
-        sampler = Sampler(discover_nodes(cluster.proxy_url), 1.0)
+        sampler = Sampler(discover_nodes(cluster.proxy_url), 1.0, {'Proxy': cluster.processes[0].pid})
         restarts = chaos.DecodeRestarts(lambda: cluster.bounce(cluster.decode_urls[0]), args.decode_restarts,
                                         args.requests, args.seed)
         planned = plan(args.requests, args.fault_rate, args.engine_fault_rate, args.seed)
         sampler.start()
         outcomes, elapsed = chaos.run_load(lambda index: send(cluster, index, planned[index]), args.requests,
                                            args.concurrency, restarts)
-        time.sleep(ORPHAN_TTL_S * 1.5)  # the last orphans are reclaimed
+        if 'orphan' in planned:
+            time.sleep(args.orphan_ttl_s * 1.5)  # the last orphans are reclaimed
         settled = cluster.settled_state(prefill, timeout_s=60)
         node_books = {url: _audit(url) for url in (prefill, cluster.decode_urls[0])} if not args.stock else None
         sampler.stop()
         audit = _audit(cluster.proxy_url) if not args.stock else None
     csv_path, png_path = write_samples(sampler.rows, args.out / mode)
     summary = _summary(mode, outcomes, elapsed, restarts.downtime_s, baseline, settled, audit, csv_path, png_path)
-    return {**summary, 'node_books': node_books}
+    return {**summary, 'rss_mb': rss_over_the_run(sampler.rows), 'node_books': node_books}
+
+
+def rss_over_the_run(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each process's RSS in MiB (a node's api_server and engine together) at the :data:`RSS_AT` points."""
+    by_node: dict[str, list[float]] = {}
+    for row in rows:
+        rss = (row['api_server_rss_mb'] or 0) + (row['engine_rss_mb'] or 0)
+        name = f"{row['role']} {row['node']}" if '://' in row['node'] else row['node']
+        by_node.setdefault(name, []).append(round(rss, 1))
+    return {node: [series[round(share * (len(series) - 1))] for share in RSS_AT] for node, series in by_node.items()}
 
 
 def _audit(proxy: str) -> dict[str, Any] | None:

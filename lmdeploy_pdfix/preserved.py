@@ -59,6 +59,7 @@ class PreservedCache:
     preserved_at: float
     held_until: float  # the end of the orphan TTL, or of the latest claim's lease: reclaimed after it
     claimed: bool = False
+    freed_by: str | None = None  # the Decode node that freed it over ZMQ after its copy (as the link names it)
 
 
 class PreservedBook:
@@ -91,8 +92,9 @@ class PreservedBook:
         """Count a preserved request ended before its cache was handed out."""
         self.releases[ReleaseCause.CANCELLED.value] += 1
 
-    def release(self, owner: int, cause: ReleaseCause, *, session_exists: bool) -> Answer:
-        """Whether ``owner``'s session may be ended for ``cause``: only RELEASED allows it."""
+    def release(self, owner: int, cause: ReleaseCause, *, session_exists: bool, by: str | None = None) -> Answer:
+        """Whether ``owner``'s session may be ended for ``cause``: only RELEASED allows it. ``by``: the Decode
+        node that freed it, for DECODE_FREED."""
         answer = self._judge_release(owner, session_exists)
         if answer.verdict is Verdict.RELEASED:
             cache = self._caches.pop(owner)
@@ -100,14 +102,16 @@ class PreservedBook:
             if cause is ReleaseCause.RECLAIMED:
                 remember_recent(self._reclaimed, owner, None)
             elif cause is ReleaseCause.DECODE_FREED:
+                cache.freed_by = by
                 remember_recent(self._migrated, owner, cache)
         else:
             self.frees[answer.counted_as or answer.verdict.value] += 1
         return answer
 
-    def claim(self, owner: int, block_ids: Sequence[int]) -> Answer:
-        """A Decode node's check, before it migrates, that ``owner`` still holds exactly ``block_ids``."""
-        answer = self._judge_claim(owner, tuple(block_ids))
+    def claim(self, owner: int, block_ids: Sequence[int], decode: str | None = None) -> Answer:
+        """A Decode node's check, before or while it migrates, that ``owner`` still holds exactly ``block_ids``;
+        ``decode``: the claiming node, as its link to this one names it."""
+        answer = self._judge_claim(owner, tuple(block_ids), decode)
         self.claims[answer.verdict.value] += 1
         return answer
 
@@ -154,7 +158,7 @@ class PreservedBook:
                           counted_as='already_reclaimed')
         return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node', counted_as='unknown')
 
-    def _judge_claim(self, owner: int, block_ids: tuple[int, ...]) -> Answer:
+    def _judge_claim(self, owner: int, block_ids: tuple[int, ...], decode: str | None) -> Answer:
         cache = self._caches.get(owner)
         if cache is not None:
             if cache.block_ids != block_ids:
@@ -167,9 +171,10 @@ class PreservedBook:
             return Answer(Verdict.RECLAIMED, f'preserved cache {owner} was reclaimed after the orphan TTL '
                                              f'({self.orphan_ttl_s:g} s); its blocks may hold other data now')
         migrated = self._migrated.get(owner)
-        if migrated is not None and migrated.block_ids == block_ids and not migrated.claimed:
-            # preserved from its answer until its Decode freed it after the copy: the copy read it intact. Once
-            # only: a second migration of the same cache would have copied blocks freed since.
+        if (migrated is not None and migrated.block_ids == block_ids and not migrated.claimed
+                and decode is not None and migrated.freed_by == decode):
+            # preserved from its answer until its Decode freed it after the copy: that node's copy read it intact.
+            # Once, and only for that node: any other migration of the cache copied blocks freed since.
             migrated.claimed = True
             return Answer(Verdict.CLAIMED, f'preserved cache {owner} was copied and freed by its Decode node')
         return Answer(Verdict.NOT_FOUND, f'no preserved cache {owner} on this node')

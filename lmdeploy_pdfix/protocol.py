@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_index, is_owner_id
@@ -47,6 +47,8 @@ DUMMY_PREFILL_FIELD = 'dummy_prefill'
 # The proxy's status for a request whose client went away first (nginx's); the client never reads it, the
 # proxy's metrics count it as such.
 CLIENT_CLOSED_REQUEST = 499
+
+MAX_NODE_URL_CHARS = 2048  # a node URL in a request body (a Prefill's engine id, a claiming Decode's)
 
 AUTHORIZATION = 'Authorization'
 CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and the Decode nodes to a key the nodes accept '
@@ -218,15 +220,30 @@ def migration_request_problem(owner: Any, block_ids: Any,
     return None
 
 
-def parse_claim(body: Any) -> tuple[int, list[int]]:
-    """A claim's owner and block ids; raise :class:`MigrationRequestError` with a short reason."""
+class Claim(NamedTuple):
+    """A Decode node's claim of a preserved cache: its owner and blocks, and the claiming node as the link between
+    the two names it (absent from an older pdfix)."""
+
+    owner: int
+    block_ids: list[int]
+    decode: str | None
+
+
+def claim_body(claim: Claim) -> dict[str, Any]:
+    return {'owner': claim.owner, 'block_ids': claim.block_ids, 'decode': claim.decode}
+
+
+def parse_claim(body: Any) -> Claim:
+    """A claim, from its JSON body; raise :class:`MigrationRequestError` with a short reason."""
     if not isinstance(body, dict):
         raise MigrationRequestError('a claim is a JSON object with owner and block_ids')
-    owner, block_ids = body.get('owner'), body.get('block_ids')
+    owner, block_ids, decode = body.get('owner'), body.get('block_ids'), body.get('decode')
     problem = migration_request_problem(owner, block_ids, names=('owner', 'block_ids'))
     if problem is not None:
         raise MigrationRequestError(problem)
-    return owner, block_ids
+    if decode is not None and (not isinstance(decode, str) or not 0 < len(decode) <= MAX_NODE_URL_CHARS):
+        raise MigrationRequestError(f'decode {_short(decode)} is not a node URL')
+    return Claim(owner, block_ids, decode)
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -279,8 +296,8 @@ def parse_migration_request(body: Any) -> MigrationOrder | None:
     if problem is not None:
         raise MigrationRequestError(problem)
     prefill = migration.get('remote_engine_id')
-    if not isinstance(prefill, str):
-        raise MigrationRequestError('remote_engine_id is not a node URL')
+    if not isinstance(prefill, str) or not 0 < len(prefill) <= MAX_NODE_URL_CHARS:
+        raise MigrationRequestError(f'remote_engine_id {_short(prefill)} is not a node URL')
     return MigrationOrder(prefill=prefill, owner=owner, block_ids=block_ids, dummy=False,
                           ticket=parse_ticket(migration.get(CACHE_TICKET_FIELD)))
 

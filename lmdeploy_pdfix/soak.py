@@ -86,9 +86,11 @@ def discover_nodes(proxy: str) -> dict[str, str]:
 class Sampler(threading.Thread):
     """Samples every node's state until stopped; rows go to ``self.rows``."""
 
-    def __init__(self, nodes: dict[str, str], period_s: float) -> None:
+    def __init__(self, nodes: dict[str, str], period_s: float, local_pids: dict[str, int] | None = None) -> None:
+        """``local_pids``: name → pid of processes on this host without the state endpoint (a proxy), whose RSS
+        is sampled from /proc."""
         super().__init__(name='soak-sampler', daemon=True)
-        self.nodes, self.period_s = nodes, period_s
+        self.nodes, self.period_s, self.local_pids = nodes, period_s, local_pids or {}
         self.rows: list[dict[str, Any]] = []
         self._stop_event = threading.Event()
         self._t0 = time.monotonic()
@@ -104,6 +106,10 @@ class Sampler(threading.Thread):
                 'sessions': state.get('sessions'), 'free_blocks': state.get('free_blocks'),
                 'api_server_rss_mb': _mb(state.get('api_server_rss')), 'engine_rss_mb': _mb(state.get('engine_rss')),
             })
+        for name, pid in self.local_pids.items():
+            self.rows.append({'t_s': round(time.monotonic() - self._t0, 2), 'node': name, 'role': name,
+                              'sessions': None, 'free_blocks': None, 'api_server_rss_mb': _mb(_rss(pid)),
+                              'engine_rss_mb': None})
 
     def run(self) -> None:
         while not self._stop_event.wait(self.period_s):
@@ -118,6 +124,14 @@ class Sampler(threading.Thread):
         """Sessions the Prefill nodes held at their latest samples, summed; None before any was sampled."""
         latest = {row['node']: row['sessions'] or 0 for row in list(self.rows) if row['role'] == 'Prefill'}
         return sum(latest.values()) if latest else None
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        status = Path(f'/proc/{pid}/status').read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith('VmRSS:')), None)
 
 
 def _mb(value: int | None) -> float | None:
@@ -213,9 +227,10 @@ def plot_samples(rows: list[dict[str, Any]], path: Path) -> Path | None:
     fig, (ax_sessions, ax_rss) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for node in sorted({row['node'] for row in rows}):
         mine = [row for row in rows if row['node'] == node]
-        label = f"{mine[0]['role']} node, port {node.rsplit(':', 1)[-1]}"
+        label = f"{mine[0]['role']} node, port {node.rsplit(':', 1)[-1]}" if '://' in node else node
         times = [row['t_s'] for row in mine]
-        ax_sessions.plot(times, [row['sessions'] for row in mine], label=label)
+        if mine[0]['sessions'] is not None:  # a local process (a proxy) has RSS only
+            ax_sessions.plot(times, [row['sessions'] for row in mine], label=label)
         ax_rss.plot(times, [(row['api_server_rss_mb'] or 0) + (row['engine_rss_mb'] or 0) for row in mine], label=label)
     fig.suptitle('soak: per-node state sampled from the sim state endpoint')
     ax_sessions.set_title('sessions held in the scheduler, per node')

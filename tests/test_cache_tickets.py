@@ -35,6 +35,7 @@ from tests.test_node_input import migrating, node_client
 from tests.test_serving_owner import MODEL, FakePrefillEngine
 
 OWNER, BLOCKS = 7, [1, 2]
+THIS_DECODE = 'http://127.0.0.1:9001'  # this Decode node, as its link to the Prefill names it
 TICKET_LIFETIME_S = 600.0
 
 
@@ -138,14 +139,14 @@ async def decode(apply_patch: Callable[[str], ModuleType],
     api_server = apply_patch('decode_migration_checks')
     from lmdeploy_pdfix.patches._node_routes import NODE
 
-    NODE.linked_peers.add(prefill[1])  # as the proxy's link set-up notes it
+    NODE.linked_peers[prefill[1]] = THIS_DECODE  # as the proxy's link set-up notes it
     engine = HeldDecodeEngine()
     try:
         async with await node_client(api_server, engine) as client:
             yield client, engine
     finally:
         engine.let_go.set()  # a request a failed test left in the engine ends
-        NODE.linked_peers.discard(prefill[1])
+        NODE.linked_peers.pop(prefill[1], None)
 
 
 def vouched(url: str, ticket: str, **migration: Any) -> dict[str, Any]:
@@ -179,7 +180,9 @@ async def test_a_vouched_migration_reaches_the_engine_while_its_claim_is_on_its_
     node.answer_claims.set()
     response = await asyncio.wait_for(answer, 10)
     assert response.status_code == 200 and 'Hello' in response.text, response.text
-    assert node.claims == [{'owner': OWNER, 'block_ids': BLOCKS}]
+    # the claim names this node as its link to the Prefill does: a late claim is confirmed only for the node
+    # whose free released the cache
+    assert node.claims == [{'owner': OWNER, 'block_ids': BLOCKS, 'decode': THIS_DECODE}]
 
 
 @pytest.mark.regression

@@ -37,6 +37,7 @@ from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
 
 from lmdeploy_pdfix.patches import engine_conn as engine_conn_patch
 from lmdeploy_pdfix.patches._node_book import book_of
+from lmdeploy_pdfix.preserved import Verdict
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 64
@@ -212,6 +213,20 @@ async def test_a_free_releases_its_preserved_cache_and_no_other_session(
     assert book.releases == {'decode_freed': 1}
     assert book.frees == {'not_preserved': 1, 'unknown': 1}
     assert [record.getMessage() for record in lmdeploy_errors] == [], 'a free naming nothing is no error'
+
+
+async def test_a_cache_freed_over_a_link_is_confirmed_late_only_to_the_decode_node_at_its_other_end(
+        pair: tuple[Node, Node]) -> None:
+    # a claim that ran alongside the copy may arrive after the free; a ticket replayed to another Decode node
+    # must not be confirmed by it, since that node's copy may have read blocks the free gave back
+    prefill, decode = pair
+    prefill.preserve(owner(1))
+    link(prefill, decode)
+    await asyncio.wait_for(decode.conn.zmq_send(PREFILL_URL, owner(1)), SETTLE_S)
+    assert await eventually(lambda: owner(1) not in prefill.scheduler.sessions)
+    book = book_of(prefill.engine)
+    assert book.claim(owner(1), [0, 1, 2], 'http://127.0.0.1:23003').verdict is Verdict.NOT_FOUND
+    assert book.claim(owner(1), [0, 1, 2], DECODE_URL).verdict is Verdict.CLAIMED
 
 
 async def test_a_malformed_free_is_skipped_and_the_link_keeps_serving(pair: tuple[Node, Node]) -> None:

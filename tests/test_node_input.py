@@ -111,6 +111,15 @@ async def test_a_migration_from_a_prefill_node_this_decode_is_not_linked_to_is_r
     assert response.status_code == 400 and 'not linked' in response.json()['message']
 
 
+@pytest.mark.regression
+@pytest.mark.parametrize('prefill', ['', 'h' * 100_000, 5], ids=['empty', '100,000 characters', 'a number'])
+async def test_a_migration_request_whose_prefill_is_no_node_url_gets_a_short_400(
+        decode_node: httpx.AsyncClient, prefill: Any) -> None:
+    response = await decode_node.post(COMPLETIONS_PATH, json=migrating(remote_engine_id=prefill))
+    assert response.status_code == 400
+    assert 'is not a node URL' in response.json()['message'] and len(response.text) < 300
+
+
 HOSTILE_CLAIMS = {
     'not JSON': b'owner=1',
     'a JSON array': b'[1, 2]',
@@ -119,6 +128,10 @@ HOSTILE_CLAIMS = {
     'a huge block list': json.dumps({'owner': 1, 'block_ids': list(range(-1, 100_000))}).encode(),
     'a boolean owner': b'{"owner": true, "block_ids": [1]}',
     'a repeated block': b'{"owner": 1, "block_ids": [1, 1]}',
+    'a numeric claimant': b'{"owner": 1, "block_ids": [1], "decode": 5}',
+    'an empty claimant': b'{"owner": 1, "block_ids": [1], "decode": ""}',
+    'a 100,000-character claimant': json.dumps({'owner': 1, 'block_ids': [1], 'decode': 'h' * 100_000}).encode(),
+    'a claimant object': b'{"owner": 1, "block_ids": [1], "decode": {"url": "x"}}',
 }
 
 
@@ -139,7 +152,7 @@ async def test_a_claim_the_engine_cannot_answer_is_a_503_not_a_500(
     client, rpc = prefill_node
     rpc.fails = True
     response = await client.post(CLAIM_PATH, json={'owner': 1, 'block_ids': [1]})
-    assert response.status_code == 503 and rpc.calls == [('pdfix_claim_preserved', (1, [1]))]
+    assert response.status_code == 503 and rpc.calls == [('pdfix_claim_preserved', (1, [1], None))]
 
 
 @pytest.mark.regression

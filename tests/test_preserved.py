@@ -5,6 +5,7 @@ from __future__ import annotations
 from lmdeploy_pdfix.preserved import PreservedBook, ReleaseCause, Verdict
 
 OWNER = (7 << 32) + 3
+DECODE = 'http://127.0.0.1:9001'
 
 
 class Clock:
@@ -82,10 +83,19 @@ def test_the_audit_buckets_preserved_caches_by_age() -> None:
 def test_a_claim_that_comes_after_its_decode_freed_the_copied_cache_is_confirmed_once() -> None:
     # With a ticket the claim runs alongside the copy; under load it may reach the Prefill after the Decode's free.
     book, _ = book_with_one_cache()
-    assert book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True).verdict is Verdict.RELEASED
-    assert book.claim(OWNER, [4]).verdict is Verdict.NOT_FOUND  # not its blocks
-    assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
-    assert book.claim(OWNER, [4, 5]).verdict is Verdict.NOT_FOUND  # a second migration of it is not confirmed
+    assert book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True, by=DECODE).verdict is Verdict.RELEASED
+    assert book.claim(OWNER, [4], DECODE).verdict is Verdict.NOT_FOUND  # not its blocks
+    assert book.claim(OWNER, [4, 5], DECODE).verdict is Verdict.CLAIMED
+    assert book.claim(OWNER, [4, 5], DECODE).verdict is Verdict.NOT_FOUND  # a second migration is not confirmed
+
+
+def test_a_late_claim_is_confirmed_only_for_the_decode_node_that_freed_the_cache() -> None:
+    # A ticket replayed to another Decode node: that node's copy may have read blocks the first one's free gave back
+    book, _ = book_with_one_cache()
+    book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True, by=DECODE)
+    assert book.claim(OWNER, [4, 5], 'http://127.0.0.1:9002').verdict is Verdict.NOT_FOUND
+    assert book.claim(OWNER, [4, 5]).verdict is Verdict.NOT_FOUND  # a claimant that does not say who it is
+    assert book.claim(OWNER, [4, 5], DECODE).verdict is Verdict.CLAIMED
 
 
 def test_a_cache_claimed_before_its_decode_freed_it_is_not_confirmed_again() -> None:

@@ -45,8 +45,10 @@ from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
     CLAIM_PATH,
     TICKET_KEY_PATH,
+    Claim,
     MigrationOrder,
     MigrationRequestError,
+    claim_body,
     credentials_hint,
     node_credentials,
     parse_claim,
@@ -74,7 +76,7 @@ class NodeBooks:
     """What this api_server process knows besides the engine's book: its links and refused migrations."""
 
     def __init__(self) -> None:
-        self.linked_peers: set[str] = set()
+        self.linked_peers: dict[str, str] = {}  # a linked node: this node, as that link names it
         self.refused_migrations: Counter[str] = Counter()
         self.server_context: Any = None  # LMDeploy's, once its distserve routes are registered
         self.ticket_key = TicketKey.generate()  # this incarnation's, for the caches it preserves as a Prefill
@@ -126,11 +128,11 @@ def add_node_routes(router: Any, server_context: Any) -> None:
     @router.post(CLAIM_PATH)
     async def pdfix_claim(raw_request: Request) -> JSONResponse:
         try:
-            owner, block_ids = parse_claim(await raw_request.json())
+            claim = parse_claim(await raw_request.json())
         except ValueError as exc:  # not JSON (json's error) or not a claim (ours)
             detail = str(exc) if isinstance(exc, MigrationRequestError) else 'the body is not JSON'
             return JSONResponse({'status': Verdict.REFUSED.value, 'detail': detail}, HTTPStatus.BAD_REQUEST)
-        return await _engine_answer(server_context, _CLAIM_STATUS, 'pdfix_claim_preserved', owner, block_ids)
+        return await _engine_answer(server_context, _CLAIM_STATUS, 'pdfix_claim_preserved', *claim)
 
     NODE.server_context = server_context
 
@@ -179,13 +181,13 @@ def free_cache_endpoint(server_context: Any):
 
 
 def record_link(init_request: Any) -> None:
-    NODE.linked_peers.add(init_request.remote_engine_id)
+    NODE.linked_peers[init_request.remote_engine_id] = init_request.local_engine_id
 
 
 def forget_link(drop_request: Any) -> None:
     # LMDeploy's route passes one request, its type hint says a list
     for request in drop_request if isinstance(drop_request, list) else [drop_request]:
-        NODE.linked_peers.discard(request.remote_engine_id)
+        NODE.linked_peers.pop(request.remote_engine_id, None)
 
 
 def issue_ticket(owner: int, block_ids: list[int]) -> str | None:
@@ -374,13 +376,14 @@ def _refused(status: int, problem: str, error_response) -> JSONResponse:
 
 
 async def _claim_refusal(order: MigrationOrder, error_response) -> JSONResponse | None:
-    status, problem = await _claim(order.prefill, order.owner, order.block_ids)
+    claim = Claim(order.owner, order.block_ids, NODE.linked_peers.get(order.prefill))
+    status, problem = await _claim(order.prefill, claim)
     return None if problem is None else _refused(status, problem, error_response)
 
 
-async def _claim(prefill: str, owner: int, block_ids: list[int]) -> tuple[int, str | None]:
+async def _claim(prefill: str, claim: Claim) -> tuple[int, str | None]:
     try:
-        async with node_client().post(f'{prefill}{CLAIM_PATH}', json={'owner': owner, 'block_ids': block_ids},
+        async with node_client().post(f'{prefill}{CLAIM_PATH}', json=claim_body(claim),
                                       headers=node_credentials(),
                                       timeout=aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)) as response:
             status, text = response.status, await response.text()

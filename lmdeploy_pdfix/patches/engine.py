@@ -47,21 +47,22 @@ MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 _RECLAIM_INTERVAL_CAP_S = 30.0
 
 
-def release_preserved(engine: Any, owner: int, cause: ReleaseCause) -> Answer:
-    """End ``owner``'s session if, and only if, it is a preserved cache of this engine."""
-    answer = book_of(engine).release(owner, cause, session_exists=owner in engine.scheduler.sessions)
+def release_preserved(engine: Any, owner: int, cause: ReleaseCause, by: str | None = None) -> Answer:
+    """End ``owner``'s session if, and only if, it is a preserved cache of this engine; ``by``: the Decode node
+    that freed it."""
+    answer = book_of(engine).release(owner, cause, session_exists=owner in engine.scheduler.sessions, by=by)
     if answer.verdict is Verdict.RELEASED:
         engine.end_session(owner)
     return answer
 
 
-def claim_preserved(engine: Any, owner: int, block_ids: Sequence[int]) -> Answer:
+def claim_preserved(engine: Any, owner: int, block_ids: Sequence[int], decode: str | None = None) -> Answer:
     book = book_of(engine)
     seq = _preserved_sequence(engine.scheduler, owner)
     if not book.is_preserved(owner) and seq is not None and seq.status == _to_be_migrated():
         # Its answer is out but its END_SESSION still waits in the engine's queue: a claim may arrive first
         _preserve(engine, book, owner, seq)
-    return book.claim(owner, block_ids)
+    return book.claim(owner, block_ids, decode)
 
 
 def _to_be_migrated() -> Any:
@@ -188,8 +189,8 @@ def _worker_release_preserved(self, owner: int, cause: str) -> dict[str, str]:
     return release_preserved(self.engine, owner, ReleaseCause(cause)).as_dict()
 
 
-def _worker_claim_preserved(self, owner: int, block_ids: list[int]) -> dict[str, str]:
-    return claim_preserved(self.engine, owner, block_ids).as_dict()
+def _worker_claim_preserved(self, owner: int, block_ids: list[int], decode: str | None = None) -> dict[str, str]:
+    return claim_preserved(self.engine, owner, block_ids, decode).as_dict()
 
 
 def _worker_release_unclaimed(self, cause: str) -> list[int]:

@@ -127,7 +127,7 @@ async def _next_free(receiver: Any, remote_engine_id: str, free_request: Any, in
 
 def _release(engine: Any, remote_engine_id: str, owner: int) -> None:
     try:
-        answer = release_preserved(engine, owner, ReleaseCause.DECODE_FREED)
+        answer = release_preserved(engine, owner, ReleaseCause.DECODE_FREED, by=remote_engine_id)
     except Exception:  # one failed release must not end the link's receive loop
         lmdeploy_logger().exception('lmdeploy-pdfix: releasing session %s for %s failed', owner, remote_engine_id)
         return
