@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,6 +29,11 @@ HOST = '127.0.0.1'
 MODEL_NAME = 'pdfix-sim'
 STATE_ROUTE = '/distserve/pdfix/sim/state'
 _TERM_GRACE_S = 10.0
+# The cluster's HTTP ports come from below the kernel's ephemeral range (32768-60999) and ZeroMQ's random ports
+# (49152-65535), and above Mooncake's handshake ports (about 15000-17000): a port handed out while a node starts
+# cannot be taken meanwhile by an engine's RPC socket (seen: a Decode's engine bound the port another Decode
+# was about to serve on; that Decode exited with 'address already in use').
+_NODE_PORTS = range(20000, 32768)
 
 
 @dataclass
@@ -130,8 +136,8 @@ class Cluster:
         return args
 
     def _new_port(self) -> int:
-        """A free port none of this cluster's processes was given: the kernel may offer a port again before the
-        node it went to has bound it (seen: a Prefill and a Decode both on one port, the Decode never registered)."""
+        """A free port none of this cluster's processes was given: a port is free again until the node it went to
+        has bound it (seen: a Prefill and a Decode both on one port, the Decode never registered)."""
         given = {int(proc.url.rsplit(':', 1)[1]) for proc in self.processes}
         while (port := free_port()) in given:
             pass
@@ -287,10 +293,15 @@ def prefill_forwards(state: dict[str, Any]) -> int:
 
 
 def free_port() -> int:
-    """A free loopback port chosen by the kernel."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A loopback port in ``_NODE_PORTS`` that nothing holds now."""
+    while True:
+        port = random.choice(_NODE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+        return port
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0,
