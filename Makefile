@@ -4,6 +4,8 @@ DEMO_LMDEPLOY ?= 0.18.0
 PYTHON ?= python3
 VENVS := .venv
 PYTEST_ARGS ?=
+# JUnit reports: a failed run ends by listing its failures from them (the last lines a CI log shows)
+RESULTS := artifacts/test-results
 
 .PHONY: env test unit demo bench lint clean system-deps
 .PRECIOUS: $(VENVS)/lmdeploy-%/.requirements  # a venv is built once, not deleted as an intermediate
@@ -28,7 +30,8 @@ env: $(foreach v,$(LMDEPLOY_VERSIONS),install-$(v))  ## every venv, with this pa
 test: env  ## the whole suite against every supported LMDeploy release, then proof that regressions fail on stock
 	@for v in $(LMDEPLOY_VERSIONS); do \
 		echo "=== LMDeploy $$v"; \
-		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python -m pytest $(PYTEST_ARGS) || exit 1; \
+		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python -m pytest --junitxml=$(RESULTS)/lmdeploy-$$v.xml \
+			$(PYTEST_ARGS) || { $(PYTHON) scripts/junit.py $(RESULTS)/lmdeploy-$$v.xml; exit 1; }; \
 		echo "=== LMDeploy $$v, patches off: every regression test must fail"; \
 		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python scripts/prove_regressions.py || exit 1; done
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import ModuleType
 
 import pytest
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix._bootstrap import load_patch
+from lmdeploy_pdfix.patches._client import close_node_client
 from lmdeploy_pdfix.registry import BY_NAME
 from tests.servers import serving
 from tests.stand_in_nodes import Cluster, DecodeBook, PrefillBook, decode_app, prefill_app
@@ -27,6 +28,13 @@ STOCK = os.environ.get('PDFIX_TESTS_STOCK') == '1'
 def pytest_configure(config: pytest.Config) -> None:
     if settings.enabled():
         raise pytest.UsageError(f'run the tests with {settings.TOGGLE} unset: each test applies what it needs')
+
+
+@pytest.fixture(autouse=True)
+async def closed_node_client() -> AsyncIterator[None]:
+    """Each test's event loop closes its pooled node client when the test ends, as a served app does."""
+    yield
+    await close_node_client()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -9,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+
+from lmdeploy_pdfix.patches._client import close_node_client
 
 
 def free_port() -> int:
@@ -22,7 +25,14 @@ def serving(app, timeout_s: float = 20.0) -> Iterator[str]:
     """Serve ``app`` until the block ends; yields its base URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning', lifespan='off'))
-    thread = threading.Thread(target=server.run, name=f'uvicorn-{port}', daemon=True)
+
+    async def serve() -> None:
+        try:
+            await server.serve()
+        finally:
+            await close_node_client()  # lifespan is off, so the proxy's shutdown hook that closes it never runs
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name=f'uvicorn-{port}', daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:
