@@ -91,6 +91,10 @@ class _NotingConnections:
 
 
 def _add_handshake(app: FastAPI) -> None:
+    @app.get('/health')
+    async def health():  # LMDeploy's proxy heartbeat (every 90 s) removes a node whose /health is not 200
+        return {}
+
     @app.get('/v1/models')
     async def models():
         return {'object': 'list', 'data': [{'id': MODEL, 'object': 'model'}]}

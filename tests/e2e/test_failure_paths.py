@@ -28,6 +28,8 @@ from tests.e2e.conftest import MODES
 pytestmark = pytest.mark.e2e
 
 BACK_TO_BASELINE_S = 5.0
+# the holder decodes 3000 tokens (it must outlast the second request); on a busy CI host that took over 60 s
+HOLDER_TIMEOUT_S = 300
 AUDIT_PATH = '/distserve/pdfix/audit'
 GC_PATH = '/distserve/gc'
 KINDS = ('completions', 'chat', 'stream')
@@ -230,7 +232,7 @@ def test_decode_rejection_releases_the_prefill_cache(cluster: Cluster, mode: str
     books_before = None if mode == 'stock' else compensated(cluster)
     holder: list[client.Result] = []
     first = threading.Thread(target=lambda: holder.append(client.request(
-        cluster.proxy_url, 'completions', 'holds the session', max_tokens=3000, timeout_s=60,
+        cluster.proxy_url, 'completions', 'holds the session', max_tokens=3000, timeout_s=HOLDER_TIMEOUT_S,
         extra={'session_id': session_id})))
     first.start()
     try:
@@ -238,7 +240,7 @@ def test_decode_rejection_releases_the_prefill_cache(cluster: Cluster, mode: str
         kinds = ('completions',) if mode == 'stock' else ('completions', 'chat')
         answers = {kind: ask(cluster, kind, 'same session', session_id=session_id) for kind in kinds}
     finally:
-        first.join(timeout=90)
+        first.join(timeout=HOLDER_TIMEOUT_S)
     assert holder and holder[0].ok, holder
     if mode == 'stock':
         # D10/D11: the proxy cannot parse the Decode's error: 500, and the Prefill session is kept.
@@ -270,9 +272,10 @@ def test_client_disconnecting_mid_stream_ends_both_sides(cluster: Cluster, mode:
     books_before = None if mode == 'stock' else compensated(cluster)
     assert status == 200 and first_event.startswith('data:'), (status, first_event)
     if mode == 'stock':
-        # D2/D13: the migrated Prefill session is never freed.
+        # D2/D13: the migrated Prefill session is never freed. (Stock's Decode ends too, but on a busy host later
+        # than the patched one's bound: CI saw it still running after 5 s.)
         assert leaked_on_prefill(cluster, baseline) >= 1
-        assert_decode_idle(cluster, within_s=BACK_TO_BASELINE_S)
+        assert_decode_idle(cluster, within_s=30)
         assert_serving(cluster, mode)
         return
     assert_prefill_back(cluster, baseline)
