@@ -9,13 +9,15 @@ from pathlib import Path
 
 def outcomes(report: Path) -> dict[str, str | None]:
     """Test id -> the first line of its failure or error, or None where it passed (or was skipped)."""
-    result: dict[str, str | None] = {}
-    for case in ElementTree.parse(report).getroot().iter('testcase'):
-        problems = [child for child in case if child.tag in ('failure', 'error')]
-        message = (problems[0].get('message') or problems[0].tag).splitlines() if problems else None
-        result[f"{case.get('classname')}::{case.get('name')}"] = (message[0] if message else '') \
-            if problems else None
-    return result
+    return {f"{case.get('classname')}::{case.get('name')}": _problem(case)
+            for case in ElementTree.parse(report).getroot().iter('testcase')}
+
+
+def _problem(case: ElementTree.Element) -> str | None:
+    for child in case:
+        if child.tag in ('failure', 'error'):
+            return (child.get('message') or child.tag).partition('\n')[0]
+    return None
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ from tests.e2e.conftest import MODES
 pytestmark = pytest.mark.e2e
 
 BACK_TO_BASELINE_S = 5.0
+STOCK_DECODE_IDLE_S = 30.0  # stock's Decode ends a request nobody reads (by abort or by decoding it all) later
 # the holder decodes 3000 tokens (it must outlast the second request); on a busy CI host that took over 60 s
 HOLDER_TIMEOUT_S = 300
 AUDIT_PATH = '/distserve/pdfix/audit'
@@ -275,7 +276,7 @@ def test_client_disconnecting_mid_stream_ends_both_sides(cluster: Cluster, mode:
         # D2/D13: the migrated Prefill session is never freed. (Stock's Decode ends too, but on a busy host later
         # than the patched one's bound: CI saw it still running after 5 s.)
         assert leaked_on_prefill(cluster, baseline) >= 1
-        assert_decode_idle(cluster, within_s=30)
+        assert_decode_idle(cluster, within_s=STOCK_DECODE_IDLE_S)
         assert_serving(cluster, mode)
         return
     assert_prefill_back(cluster, baseline)
@@ -290,7 +291,7 @@ def test_client_giving_up_before_the_answer_leaves_nothing(cluster: Cluster, mod
     result = client.request(cluster.proxy_url, 'completions', 'impatient', max_tokens=600, timeout_s=0.3)
     assert result.status == 0, result  # the client gave up before any answer
     if mode == 'stock':
-        assert_decode_idle(cluster, within_s=30)  # stock decodes all 600 tokens for nobody
+        assert_decode_idle(cluster, within_s=STOCK_DECODE_IDLE_S)  # stock decodes all 600 tokens for nobody
         assert leaked_on_prefill(cluster, baseline) >= 1  # D2
         assert_serving(cluster, mode)
         return
