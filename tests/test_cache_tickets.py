@@ -237,7 +237,8 @@ async def test_a_ticket_used_once_is_refused_the_second_time(
     # the first migration's free gave the blocks back: a second copy of them may read another request's KV
     (node, url), (client, engine) = prefill, decode
     answering_at_once(node, engine)
-    first, again = [await client.post(COMPLETIONS_PATH, json=vouched(url, node.ticket())) for _ in range(2)]
+    ticket = node.ticket()  # once: two issued a second apart expire a second apart, so they are two tickets
+    first, again = [await client.post(COMPLETIONS_PATH, json=vouched(url, ticket)) for _ in range(2)]
     assert first.status_code == 200, first.text
     assert again.status_code == 409 and 'already used' in again.json()['message']
     assert len(node.claims) == 1
