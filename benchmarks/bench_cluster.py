@@ -6,6 +6,9 @@
 2. Concurrent, patched only (stock answers no concurrent DistServe load; see the defect index): throughput,
    p50/p99 at concurrency 1, 8 and 64, and proxy CPU ms per request, at each scale (1P+1D, 2P+2D, 4P+4D), with
    each scale's proxy CPU per request over 1P+1D's, so the proxy's cost can be read against the number of nodes.
+   For these loads the proxy gets core 0 to itself and everything else (nodes, this client) shares the others,
+   so its CPU per request is its own work's, not the cost of sharing a core with up to 16 node processes; and
+   every cluster gets the same warm-up first.
 
 Every answer is checked against the emulated model's exact text; Prefill sessions left after each load are
 counted. Exit status 1 when an answer was wrong or a session was left. ``--json`` prints only JSON on stdout.
@@ -15,6 +18,7 @@ Usage: python benchmarks/bench_cluster.py [--requests N] [--concurrent-requests 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -23,11 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from lmdeploy_pdfix.sim import client
 from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
 from lmdeploy_pdfix.soak import percentile
 
 CONCURRENCIES = (1, 8, 64)  # 1: the proxy's own cost per request, least blurred by host contention
+WARM_UP_REQUESTS = 200  # at concurrency 8, before a cluster's loads are measured: its first requests cost more
 KIND = 'completions'
 MAX_TOKENS = 8
 
@@ -96,8 +103,28 @@ def _warm_up(cluster: Cluster) -> int:
     return prefill_sessions(cluster)
 
 
+def pin(process: psutil.Process, cpus: set[int]) -> None:
+    """Every thread of ``process`` on ``cpus`` (threads it starts later inherit it)."""
+    for thread in process.threads():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread.id, cpus)
+
+
+def proxy_on_a_core_of_its_own(cluster: Cluster) -> None:
+    others = set(range(1, os.cpu_count() or 1))
+    if not others:
+        return
+    for started in cluster.processes:
+        process = psutil.Process(started.pid)
+        for member in (process, *process.children(recursive=True)):  # a node's engine process
+            pin(member, {0} if started.role == 'Proxy' else others)
+    pin(psutil.Process(), others)  # this client, and the threads it starts from now on
+
+
 def under_load(cluster: Cluster, requests: int) -> dict[str, Any]:
     """Concurrent loads on a patched cluster, and the Prefill sessions they left."""
+    proxy_on_a_core_of_its_own(cluster)
+    concurrent(cluster, WARM_UP_REQUESTS, 8)
     baseline = _warm_up(cluster)
     figures: dict[str, Any] = {}
     for concurrency in CONCURRENCIES:

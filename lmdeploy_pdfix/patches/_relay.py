@@ -43,7 +43,6 @@ from lmdeploy_pdfix.protocol import (
 )
 from lmdeploy_pdfix.shared_runs import TooManyWaiting
 
-DISCONNECT_POLL_S = 0.2
 PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
@@ -504,20 +503,30 @@ async def _reported_at_end(answer: StreamingResponse, events: AsyncIterator[Any]
 async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
     """``work``'s answer; if the client disconnects first, ``work`` is cancelled (and so releases)."""
     task = asyncio.ensure_future(work)
+    # waits on the server's disconnect event: polling every in-flight request cost the proxy CPU per second of
+    # latency, so its CPU per request grew with load and scale
+    left = asyncio.ensure_future(_client_left(raw_request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if raw_request is not None and await raw_request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    answer = await task
-                    if isinstance(answer, _DecodeStream):  # it finished just before the cancel: nobody reads it
-                        await answer.settle()
-                return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            answer = await task
+            if isinstance(answer, _DecodeStream):  # it finished just before the cancel: nobody reads it
+                await answer.settle()
+        return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
     finally:
         task.cancel()  # a no-op once it is done; stops it if this handler itself is cancelled
+        left.cancel()
+
+
+async def _client_left(raw_request: Any) -> None:
+    """Return once the client of ``raw_request`` (whose body was read) has disconnected; never without one."""
+    if raw_request is None:
+        await asyncio.Event().wait()
+    while (await raw_request.receive())['type'] != 'http.disconnect':
+        pass
 
 
 async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
