@@ -6,9 +6,11 @@
 2. Concurrent, patched only (stock answers no concurrent DistServe load; see the defect index): throughput,
    p50/p99 at concurrency 1, 8 and 64, and proxy CPU ms per request, at each scale (1P+1D, 2P+2D, 4P+4D), with
    each scale's proxy CPU per request over 1P+1D's, so the proxy's cost can be read against the number of nodes.
-   For these loads the proxy gets core 0 to itself and everything else (nodes, this client) shares the others,
-   so its CPU per request is its own work's, not the cost of sharing a core with up to 16 node processes; and
-   every cluster gets the same warm-up first.
+   Every cluster gets the same warm-up first. The growth ratios come from a paced load, one request every
+   1/PACED_RATE_PER_S s, at every scale: under a closed loop the proxy's CPU per request follows its cluster's
+   throughput (the more requests each wake-up of its event loop serves, the less each costs; 4P+4D puts 17
+   processes on this host's cores and answers slower), so at one rate it is the proxy's own work per request that
+   is compared.
 
 Every answer is checked against the emulated model's exact text; Prefill sessions left after each load are
 counted. Exit status 1 when an answer was wrong or a session was left. ``--json`` prints only JSON on stdout.
@@ -18,7 +20,6 @@ Usage: python benchmarks/bench_cluster.py [--requests N] [--concurrent-requests 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -27,14 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from lmdeploy_pdfix.sim import client
 from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
 from lmdeploy_pdfix.soak import percentile
 
 CONCURRENCIES = (1, 8, 64)  # 1: the proxy's own cost per request, least blurred by host contention
 WARM_UP_REQUESTS = 200  # at concurrency 8, before a cluster's loads are measured: its first requests cost more
+# a rate the largest scale sustains one request at a time (4P+4D answers about 35 per second here)
+PACED_RATE_PER_S = 10
+PACED_REQUESTS = 300
 KIND = 'completions'
 MAX_TOKENS = 8
 
@@ -88,6 +90,16 @@ def concurrent(cluster: Cluster, requests: int, concurrency: int) -> dict[str, A
     return summary(results, time.monotonic() - began, proxy_cpu_s(cluster) - cpu_before)
 
 
+def paced(cluster: Cluster, requests: int, rate_per_s: float) -> dict[str, Any]:
+    """One request at a time, each started 1/``rate_per_s`` s after the previous one started."""
+    results: list[client.Result] = []
+    cpu_before, began = proxy_cpu_s(cluster), time.monotonic()
+    for index in range(requests):
+        time.sleep(max(0.0, began + index / rate_per_s - time.monotonic()))
+        results.append(_send(cluster, index))
+    return summary(results, time.monotonic() - began, proxy_cpu_s(cluster) - cpu_before)
+
+
 def _started(mode: str, prefill: int, decode: int, log_dir: Path) -> Cluster:
     name = f'{mode}-{prefill}p{decode}d'
     config = ClusterConfig(prefill=prefill, decode=decode, stock=mode == 'stock', log_dir=log_dir / name,
@@ -103,33 +115,16 @@ def _warm_up(cluster: Cluster) -> int:
     return prefill_sessions(cluster)
 
 
-def pin(process: psutil.Process, cpus: set[int]) -> None:
-    """Every thread of ``process`` on ``cpus`` (threads it starts later inherit it)."""
-    for thread in process.threads():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            os.sched_setaffinity(thread.id, cpus)
-
-
-def proxy_on_a_core_of_its_own(cluster: Cluster) -> None:
-    others = set(range(1, os.cpu_count() or 1))
-    if not others:
-        return
-    for started in cluster.processes:
-        process = psutil.Process(started.pid)
-        for member in (process, *process.children(recursive=True)):  # a node's engine process
-            pin(member, {0} if started.role == 'Proxy' else others)
-    pin(psutil.Process(), others)  # this client, and the threads it starts from now on
-
-
 def under_load(cluster: Cluster, requests: int) -> dict[str, Any]:
     """Concurrent loads on a patched cluster, and the Prefill sessions they left."""
-    proxy_on_a_core_of_its_own(cluster)
     concurrent(cluster, WARM_UP_REQUESTS, 8)
     baseline = _warm_up(cluster)
     figures: dict[str, Any] = {}
     for concurrency in CONCURRENCIES:
         _progress(f'{requests} completions at concurrency {concurrency}')
         figures[f'c{concurrency}'] = concurrent(cluster, requests, concurrency)
+    _progress(f'{PACED_REQUESTS} completions at {PACED_RATE_PER_S} per second')
+    figures['paced'] = paced(cluster, PACED_REQUESTS, PACED_RATE_PER_S)
     figures['prefill_sessions_left'] = prefill_sessions(cluster) - baseline
     return figures
 
@@ -190,25 +185,29 @@ def render(figures: dict[str, Any]) -> str:
             lines.append(f'{scale.upper():<8}{concurrency:>6}{load["req_per_s"]:>8}{load["p50_ms"]:>9}'
                          f'{load["p99_ms"]:>9}{load["proxy_cpu_ms_per_request"]:>18}'
                          f'{load["exact"]:>6}/{load["requests"]:<4}{loads["prefill_sessions_left"]:>15}')
-    lines += ['', 'proxy CPU per request over 1P1D\'s, by concurrency: ' + '; '.join(
-        f'{scale.upper()} ' + ', '.join(f'c={c} {ratio}' for c, ratio in ratios.items())
-        for scale, ratios in figures['proxy_cpu_growth_over_1p1d'].items())]
+    lines += ['', f'paced, {PACED_RATE_PER_S} completions per second one at a time: proxy CPU ms per request '
+              '(over 1P1D\'s)']
+    growth = figures['proxy_cpu_growth_over_1p1d']
+    for scale, loads in figures['concurrent'].items():
+        load = loads['paced']
+        lines.append(f'{scale.upper():<8}{load["proxy_cpu_ms_per_request"]:>6} ({growth.get(scale, "1.000")}), '
+                     f'p50 {load["p50_ms"]} ms, {load["exact"]}/{load["requests"]} exact')
     return '\n'.join(lines)
 
 
-def cpu_growth(figures: dict[str, Any]) -> dict[str, dict[int, str]]:
-    """Each scale's proxy CPU ms per request over 1P+1D's, at each concurrency (flat: about 1)."""
+def cpu_growth(figures: dict[str, Any]) -> dict[str, str]:
+    """Each scale's proxy CPU ms per request under the paced load over 1P+1D's (flat: about 1)."""
     loads = figures['concurrent']
     base = loads.get('1p1d')
     if base is None:
         return {}
-    return {scale: {c: _ratio(load[f'c{c}']['proxy_cpu_ms_per_request'], base[f'c{c}']['proxy_cpu_ms_per_request'])
-                    for c in CONCURRENCIES} for scale, load in loads.items() if scale != '1p1d'}
+    return {scale: _ratio(load['paced']['proxy_cpu_ms_per_request'], base['paced']['proxy_cpu_ms_per_request'])
+            for scale, load in loads.items() if scale != '1p1d'}
 
 
 def all_exact(figures: dict[str, Any]) -> bool:
     loads = [*figures['sequential'].values(),
-             *(load for loads in figures['concurrent'].values() for key, load in loads.items() if key[0] == 'c')]
+             *(load for loads in figures['concurrent'].values() for load in loads.values() if isinstance(load, dict))]
     left = [figures['sequential']['patched']['prefill_sessions_left'],
             *(loads['prefill_sessions_left'] for loads in figures['concurrent'].values())]
     return all(load['exact'] == load['requests'] for load in loads) and not any(left)
