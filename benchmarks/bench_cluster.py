@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from lmdeploy_pdfix.sim import client
 from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
 from lmdeploy_pdfix.soak import percentile
 
-CONCURRENCIES = (1, 8, 64)  # 1: the proxy's own cost per request, least blurred by host contention
+CONCURRENCIES = (1, 8, 64)
 WARM_UP_REQUESTS = 200  # at concurrency 8, before a cluster's loads are measured: its first requests cost more
 # a rate the largest scale sustains one request at a time (4P+4D answers about 35 per second here)
 PACED_RATE_PER_S = 10
@@ -83,21 +84,31 @@ def sequential(clusters: dict[str, Cluster], requests: int) -> dict[str, dict[st
             for mode, cluster in clusters.items()}
 
 
-def concurrent(cluster: Cluster, requests: int, concurrency: int) -> dict[str, Any]:
+def measured(cluster: Cluster, load: Callable[[], list[client.Result]]) -> dict[str, Any]:
+    """The summary of ``load`` (it sends the requests) with its duration and the proxy CPU it cost."""
     cpu_before, began = proxy_cpu_s(cluster), time.monotonic()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda index: _send(cluster, index), range(requests)))
+    results = load()
     return summary(results, time.monotonic() - began, proxy_cpu_s(cluster) - cpu_before)
+
+
+def concurrent(cluster: Cluster, requests: int, concurrency: int) -> dict[str, Any]:
+    def load() -> list[client.Result]:
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda index: _send(cluster, index), range(requests)))
+
+    return measured(cluster, load)
 
 
 def paced(cluster: Cluster, requests: int, rate_per_s: float) -> dict[str, Any]:
     """One request at a time, each started 1/``rate_per_s`` s after the previous one started."""
-    results: list[client.Result] = []
-    cpu_before, began = proxy_cpu_s(cluster), time.monotonic()
-    for index in range(requests):
-        time.sleep(max(0.0, began + index / rate_per_s - time.monotonic()))
-        results.append(_send(cluster, index))
-    return summary(results, time.monotonic() - began, proxy_cpu_s(cluster) - cpu_before)
+    def load() -> list[client.Result]:
+        results, began = [], time.monotonic()
+        for index in range(requests):
+            time.sleep(max(0.0, began + index / rate_per_s - time.monotonic()))
+            results.append(_send(cluster, index))
+        return results
+
+    return measured(cluster, load)
 
 
 def _started(mode: str, prefill: int, decode: int, log_dir: Path) -> Cluster:
