@@ -6,8 +6,11 @@ here before it is used (:func:`parse_prefill_answer`, :func:`parse_migration_req
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,6 +31,17 @@ CACHE_OWNER_FIELD = 'cache_session_id'
 # The Prefill node's ticket for that cache (see :mod:`lmdeploy_pdfix.tickets`); the proxy passes it to the Decode
 # node inside ``migration_request``, where LMDeploy's own model ignores it.
 CACHE_TICKET_FIELD = 'cache_ticket'
+
+# The prompt a Prefill cache holds, as "<token count>-<digest of its token ids>": the Prefill node names it in its
+# answer, the proxy passes it inside ``migration_request``, and the Decode node refuses to continue a cache whose
+# prompt is not the one it renders and tokenizes itself (a chat template or tokenizer skew between the nodes).
+PROMPT_DIGEST_FIELD = 'cache_prompt_digest'
+_PROMPT_DIGEST = re.compile(r'[0-9]{1,9}-[0-9a-f]{32}')
+
+# The logprobs the Prefill's sampler computed for the first token, as [[token id, logprob], ...] (the sampled
+# token and the top ones): the Decode node reports them with that token, as a Hybrid node does.
+FIRST_LOGPROBS_FIELD = 'cache_first_token_logprobs'
+MAX_FIRST_LOGPROBS = 1025  # the sampled token and at most LMDeploy's 1024 top logprobs
 
 # A Prefill answer that is already the whole answer (the first token was a stop token): nothing to migrate,
 # and the Prefill node has already ended the session.
@@ -102,6 +116,8 @@ class PrefillAnswer:
     block_ids: list[int]
     first_token_id: int
     ticket: str | None = None
+    prompt: str | None = None  # its prompt's digest; a Prefill of an older pdfix names none
+    first_logprobs: FirstLogprobs | None = None  # where the request asked for logprobs
 
 
 def is_finished_at_prefill(body: Any) -> bool:
@@ -111,24 +127,61 @@ def is_finished_at_prefill(body: Any) -> bool:
 TicketIssuer = Callable[[int, list[int]], str | None]  # a Prefill's ticket for an owner's blocks
 
 
-def with_owner(body: dict[str, Any], owner: int | None, issue_ticket: TicketIssuer | None = None) -> dict[str, Any]:
-    """``body`` with ``cache_session_id`` (and the cache's ticket, if ``issue_ticket`` makes one) added when it
-    carries a retained cache (``cache_block_ids``)."""
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """How a prompt's token ids are named on the wire (``PROMPT_DIGEST_FIELD``)."""
+    digest = hashlib.blake2b(json.dumps(list(token_ids)).encode(), digest_size=16).hexdigest()
+    return f'{len(token_ids)}-{digest}'
+
+
+def is_prompt_digest(value: Any) -> bool:
+    return isinstance(value, str) and _PROMPT_DIGEST.fullmatch(value) is not None
+
+
+FirstLogprobs = tuple[tuple[int, float], ...]
+
+
+def first_logprobs_on_wire(logprobs: dict[int, float]) -> list[list[int | float]]:
+    return [[token, value] for token, value in logprobs.items()]
+
+
+def parse_first_logprobs(value: Any) -> FirstLogprobs | None:
+    """A first token's logprobs from the wire (None when absent); raise ``ValueError`` when malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_FIRST_LOGPROBS:
+        raise ValueError(f'{FIRST_LOGPROBS_FIELD} is not a list of 1 to {MAX_FIRST_LOGPROBS} pairs')
+    pairs = []
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and is_index(pair[0])
+                and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
+                and math.isfinite(pair[1])):
+            raise ValueError(f'{FIRST_LOGPROBS_FIELD} holds {_short(pair)}, not a [token id, logprob] pair')
+        pairs.append((pair[0], float(pair[1])))
+    return tuple(pairs)
+
+
+def with_owner(body: dict[str, Any], owner: int | None, issue_ticket: TicketIssuer | None = None,
+               facts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``body`` with ``cache_session_id`` (and the cache's ticket, if ``issue_ticket`` makes one, and the
+    ``facts`` of the cache a Decode needs: its prompt's digest, its first token's logprobs) added when it carries a
+    retained cache (``cache_block_ids``)."""
     if owner is not None and 'cache_block_ids' in body:
         body[CACHE_OWNER_FIELD] = owner
         ticket = issue_ticket(owner, body['cache_block_ids']) if issue_ticket is not None else None
         if ticket is not None:
             body[CACHE_TICKET_FIELD] = ticket
+        body.update(facts or {})
     return body
 
 
-def sse_chunk_with_owner(chunk: str | bytes, owner: int | None,
-                         issue_ticket: TicketIssuer | None = None) -> str | bytes:
-    """A ``data: {...}`` stream chunk with the owner (and ticket) added if that chunk carries ``cache_block_ids``."""
+def sse_chunk_with_owner(chunk: str | bytes, owner: int | None, issue_ticket: TicketIssuer | None = None,
+                         facts: dict[str, Any] | None = None) -> str | bytes:
+    """A ``data: {...}`` stream chunk with the owner (and ticket and facts) added if that chunk carries
+    ``cache_block_ids``."""
     text = chunk.decode() if isinstance(chunk, bytes) else chunk
     if owner is None or '"cache_block_ids"' not in text:
         return chunk
-    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner, issue_ticket))
+    return sse_chunk_rewritten(chunk, lambda event: with_owner(event, owner, issue_ticket, facts))
 
 
 def sse_chunk_rewritten(chunk: str | bytes, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> str | bytes:
@@ -168,8 +221,14 @@ def parse_prefill_answer(body: Any) -> PrefillAnswer:
     token_ids = body.get('remote_token_ids')
     if not _is_int_list(token_ids) or not token_ids:
         raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
+    prompt = body.get(PROMPT_DIGEST_FIELD)
+    try:
+        first_logprobs = parse_first_logprobs(body.get(FIRST_LOGPROBS_FIELD))
+    except ValueError as exc:
+        raise PrefillAnswerError(f'the Prefill answer has a malformed {exc}', owner) from None
     return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1],
-                         ticket=_ticket_or_none(body.get(CACHE_TICKET_FIELD)))
+                         ticket=_ticket_or_none(body.get(CACHE_TICKET_FIELD)),
+                         prompt=prompt if is_prompt_digest(prompt) else None, first_logprobs=first_logprobs)
 
 
 def _ticket_or_none(value: Any) -> str | None:
@@ -270,6 +329,8 @@ class MigrationOrder:
     block_ids: list[int]
     dummy: bool  # decode from no migrated KV at all (D19); nothing of a Prefill node is named then
     ticket: str | None = None  # the Prefill node's ticket for the cache, passed on by a pdfix proxy
+    prompt: str | None = None  # the digest of the prompt the cache holds, passed on by a pdfix proxy
+    first_logprobs: FirstLogprobs | None = None  # the first token's logprobs, passed on by a pdfix proxy
 
 
 def parse_migration_request(body: Any) -> MigrationOrder | None:
@@ -298,8 +359,16 @@ def parse_migration_request(body: Any) -> MigrationOrder | None:
     prefill = migration.get('remote_engine_id')
     if not isinstance(prefill, str) or not 0 < len(prefill) <= MAX_NODE_URL_CHARS:
         raise MigrationRequestError(f'remote_engine_id {_short(prefill)} is not a node URL')
+    prompt = migration.get(PROMPT_DIGEST_FIELD)
+    if prompt is not None and not is_prompt_digest(prompt):
+        raise MigrationRequestError(f'{PROMPT_DIGEST_FIELD} {_short(prompt)} is not a prompt digest')
+    try:
+        first_logprobs = parse_first_logprobs(migration.get(FIRST_LOGPROBS_FIELD))
+    except ValueError as exc:
+        raise MigrationRequestError(str(exc)) from None
     return MigrationOrder(prefill=prefill, owner=owner, block_ids=block_ids, dummy=False,
-                          ticket=parse_ticket(migration.get(CACHE_TICKET_FIELD)))
+                          ticket=parse_ticket(migration.get(CACHE_TICKET_FIELD)), prompt=prompt,
+                          first_logprobs=first_logprobs)
 
 
 def _is_int_list(value: Any) -> bool:

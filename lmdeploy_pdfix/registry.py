@@ -79,6 +79,12 @@ PATCHES: tuple[PatchSpec, ...] = (
         summary='Connection warmups that come while one runs share it; callers beyond a bound are answered 503',
     ),
     PatchSpec(
+        name='proxy_validation_errors',
+        module='lmdeploy_pdfix.patches.proxy_validation',
+        target='lmdeploy.serve.proxy.proxy',
+        summary="The proxy refuses a request its models reject with the api_server's 400 naming the field, not a 422",
+    ),
+    PatchSpec(
         name='proxy_connections',
         module='lmdeploy_pdfix.patches.proxy_conn',
         target='lmdeploy.pytorch.disagg.conn.proxy_conn',
@@ -134,6 +140,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.migration_wakeups',
         target='lmdeploy.pytorch.engine.engine_loop',
         summary='The Decode migration loop sleeps until the next migration request, never spinning after an abort',
+    ),
+    PatchSpec(
+        name='decode_first_token',
+        module='lmdeploy_pdfix.patches.decode_first_token',
+        target='lmdeploy.pytorch.engine.engine_loop',
+        summary=("A Decode node's migrated first token counts as its first sampled token: it ends a request whose "
+                 'budget it exhausts, and the grammar of guided decoding accepts it before the first Decode step'),
     ),
     PatchSpec(
         name='engine_connections',

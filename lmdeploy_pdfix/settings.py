@@ -119,9 +119,15 @@ MAX_PROMPTS = Number(
                      f'cache until its Decode takes it, and at most {PROMPTS_IN_FLIGHT} of one request are relayed '
                      'at a time')
 
+MAX_CHOICES = Number(
+    'LMDEPLOY_PDFIX_MAX_CHOICES', 128, minimum=1, maximum=1024, node='proxy', patches=('proxy_distserve',),
+    whole=True, help='most choices (n) one DistServe chat request may ask for (400 above it; a Hybrid node allows '
+                     '128); the choices are relayed at once, as a Hybrid node generates them, each holding a '
+                     'Prefill cache until its Decode takes it')
+
 NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
                                MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, LOOP_STALL_S, HEALTH_POLL_S, MAX_PROMPTS,
-                               MAX_LINK_WAITERS, KEEPALIVE_S)
+                               MAX_CHOICES, MAX_LINK_WAITERS, KEEPALIVE_S)
 
 # covers the hop from a Decode's claim to its engine, which counts the lease from the request's arrival
 _CLAIM_HOP_MARGIN_S = 30.0

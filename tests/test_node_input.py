@@ -172,3 +172,22 @@ async def test_a_free_the_engine_cannot_answer_is_a_503_not_a_500(
     rpc.fails = True
     response = await client.post('/distserve/free_cache', json={'remote_engine_id': PREFILL, 'remote_session_id': 5})
     assert response.status_code == 503 and rpc.calls == [('pdfix_release_preserved', (5, 'freed'))]
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('field, value', [
+    ('cache_prompt_digest', 12), ('cache_prompt_digest', 'false'), ('cache_prompt_digest', ['3-' + 'a' * 32]),
+    ('cache_prompt_digest', 'x' * 100_000), ('cache_prompt_digest', '3-' + 'A' * 32),
+    ('cache_first_token_logprobs', 'false'), ('cache_first_token_logprobs', {'3': -0.1}),
+    ('cache_first_token_logprobs', [[3, -0.1, 4]]), ('cache_first_token_logprobs', [[True, -0.1]]),
+    ('cache_first_token_logprobs', [[3, 'x']]), ('cache_first_token_logprobs', [[-1, -0.1]]),
+    ('cache_first_token_logprobs', [[3, -0.1]] * 2000), ('cache_first_token_logprobs', []),
+    ('cache_first_token_logprobs', [[3, float('nan')]]),
+], ids=lambda value: repr(value)[:30])
+async def test_hostile_cache_facts_in_a_migration_request_get_a_short_400_and_nothing_migrates(
+        decode_node: httpx.AsyncClient, field: str, value: Any) -> None:
+    # stock LMDeploy's model ignores these fields: it migrates whatever the rest names (here: an unlinked Prefill)
+    body = json.dumps(migrating(**{field: value}))  # NaN too, which a JSON parser reads and httpx would not send
+    response = await decode_node.post(COMPLETIONS_PATH, content=body, headers={'Content-Type': 'application/json'})
+    assert response.status_code == 400, response.text
+    assert field in response.json()['message'] and len(response.text) < 400

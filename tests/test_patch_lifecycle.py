@@ -33,14 +33,15 @@ _ABSENT = object()
 
 
 def declared(patch) -> dict[str, object]:
-    """What each object the patch declares it wraps is now (lists by content: routes change in place)."""
+    """What each object the patch declares it wraps is now (lists and dicts by content: routes and handlers change
+    in place)."""
     seen: dict[str, object] = {}
     for entry in patch.wraps:
         module_name, path = entry.split(':')
         value = importlib.import_module(module_name)
         for name in path.split('.'):
             value = vars(value).get(name, _ABSENT) if isinstance(value, type) else getattr(value, name, _ABSENT)
-        seen[entry] = list(value) if isinstance(value, list) else value
+        seen[entry] = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
     return seen
 
 

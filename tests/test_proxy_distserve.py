@@ -161,14 +161,82 @@ async def test_no_decode_node_is_a_503_before_any_prefill_work(distserve: Cluste
 
 
 @pytest.mark.regression
-@pytest.mark.parametrize('body', [{**COMPLETION, 'n': 2}, {**COMPLETION, 'prompt': []},
-                                  {**COMPLETION, 'prompt': ['a', 'b'], 'stream': True}],
-                         ids=['n2', 'empty-batch', 'streamed-batch'])
+@pytest.mark.parametrize('body', [{**COMPLETION, 'prompt': []}, {**COMPLETION, 'prompt': ['a', 'b'], 'stream': True}],
+                         ids=['empty-batch', 'streamed-batch'])
 async def test_requests_distserve_cannot_serve_get_a_400_before_any_prefill_work(distserve: Cluster,
                                                                                  body: dict) -> None:
     response = await distserve.post('/v1/completions', body)
     assert response.status_code == 400
     assert distserve.prefill.requests == []
+
+
+@pytest.mark.parametrize('body, message', [({**CHAT, 'n': 129}, 'At most 128 choices'),
+                                           ({**CHAT, 'n': 2, 'session_id': 7}, 'explicit session_id')],
+                         ids=['above-the-cap', 'with-a-session-id'])
+async def test_a_chat_with_n_a_hybrid_node_refuses_is_a_400_before_any_prefill_work(distserve: Cluster, body: dict,
+                                                                                    message: str) -> None:
+    response = await distserve.post('/v1/chat/completions', body)
+    assert response.status_code == 400 and message in response.json()['message']
+    assert distserve.prefill.requests == []
+
+
+@pytest.mark.regression
+async def test_a_body_the_request_models_reject_is_a_400_naming_the_field_as_a_node_answers_it(
+        distserve: Cluster, apply_patch) -> None:
+    apply_patch('proxy_validation_errors')
+    response = await distserve.post('/v1/chat/completions', {'model': MODEL, 'messages': None, 'max_tokens': 8})
+    assert response.status_code == 400, response.text
+    assert 'messages' in response.json()['message']
+    assert distserve.prefill.requests == []
+
+
+async def test_completions_with_n_answer_one_choice_as_lmdeploys_completions_endpoint_does(
+        distserve: Cluster) -> None:
+    response = await distserve.post('/v1/completions', {**COMPLETION, 'n': 2})
+    assert response.status_code == 200, response.text
+    assert len(response.json()['choices']) == 1
+    assert [asked['n'] for asked in distserve.prefill.requests] == [1]  # a node asked for n would refuse to migrate
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
+async def test_a_chat_with_n_answers_n_choices_each_decoded_from_its_own_prefill_cache(distserve: Cluster) -> None:
+    response = await distserve.post('/v1/chat/completions', {**CHAT, 'n': 3, 'seed': 10})
+    assert response.status_code == 200, response.text
+    choices = response.json()['choices']
+    owners = [migration['remote_session_id'] for migration in distserve.decode.migrations]
+    assert [choice['index'] for choice in choices] == [0, 1, 2] and len(set(owners)) == 3
+    assert sorted(choice['text'] for choice in choices) == sorted(decoded_text(owner) for owner in owners)
+    # each choice is a single-choice request, seeded as a Hybrid node seeds it (seed + index)
+    assert sorted((asked['n'], asked['seed']) for asked in distserve.prefill.requests) == [(1, 10), (1, 11), (1, 12)]
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
+async def test_a_streamed_chat_with_n_interleaves_the_choices_and_leaves_nothing_open(distserve: Cluster) -> None:
+    async with httpx.AsyncClient(timeout=30) as client, \
+            client.stream('POST', distserve.url + '/v1/chat/completions',
+                          json={**CHAT, 'n': 2, 'stream': True}) as response:
+        assert response.status_code == 200
+        events = [line async for line in response.aiter_lines() if line.startswith('data: ')]
+    assert events[-1] == 'data: [DONE]'
+    words: dict[int, list[str]] = {0: [], 1: []}
+    for event in events[:-1]:
+        for choice in json.loads(event[len('data: '):])['choices']:
+            words[choice['index']].append(choice['text'])
+    owners = [migration['remote_session_id'] for migration in distserve.decode.migrations]
+    assert sorted(' '.join(choice) for choice in words.values()) == sorted(decoded_text(owner) for owner in owners)
+    assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.regression
+async def test_a_chat_with_n_whose_decode_fails_answers_the_failure_and_releases_every_cache(
+        distserve: Cluster) -> None:
+    distserve.decode.answer = 'error'
+    response = await distserve.post('/v1/chat/completions', {**CHAT, 'n': 3})
+    assert response.status_code == 500 and 'decode engine failed' in response.json()['message']
+    assert len(distserve.prefill.requests) == 3 and distserve.prefill.retained == set()
+    assert (await audit(distserve))['open'] == 0
 
 
 @pytest.mark.regression

@@ -56,7 +56,7 @@ async def test_requests_are_counted_by_route_and_outcome(metered: Cluster) -> No
     assert (await metered.post('/v1/completions', COMPLETION)).status_code == 200
     metered.decode.answer = 'error'
     assert (await metered.post('/v1/completions', COMPLETION)).status_code == 500
-    assert (await metered.post('/v1/completions', {**COMPLETION, 'n': 2})).status_code == 400
+    assert (await metered.post('/v1/completions', {**COMPLETION, 'prompt': []})).status_code == 400
     after = await scrape(metered)
 
     def moved(route: str, outcome: str) -> float:

@@ -205,6 +205,7 @@ class MigrationCheck:
     refusal: JSONResponse | None = None  # the 4xx to answer instead of the endpoint's answer
     dummy: bool = False  # decode from a dummy prefill (D19)
     confirmation: asyncio.Future | None = None  # a claim in flight: its refusal, or None once confirmed
+    order: MigrationOrder | None = None  # what the checked migration_request asks for
 
 
 async def checked_migration(raw_request: Request, error_response,
@@ -233,8 +234,8 @@ async def checked_migration(raw_request: Request, error_response,
         return MigrationCheck(refusal=_refused(exc.status, str(exc), error_response))
     claim = _claim_refusal(order, error_response)
     if not vouched:
-        return MigrationCheck(refusal=await claim)
-    return MigrationCheck(confirmation=asyncio.ensure_future(claim))
+        return MigrationCheck(refusal=await claim, order=order)
+    return MigrationCheck(confirmation=asyncio.ensure_future(claim), order=order)
 
 
 async def answer_once_confirmed(work: Awaitable[Any], confirmation: asyncio.Future) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import re
 import time
@@ -31,9 +32,12 @@ from lmdeploy_pdfix.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
     CLIENT_CLOSED_REQUEST,
+    COMPLETIONS_PATH,
     CREDENTIALS_HINT,
+    FIRST_LOGPROBS_FIELD,
     FIX_HINT,
     PREFILL_FINISHED_FIELD,
+    PROMPT_DIGEST_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
     is_finished_at_prefill,
@@ -43,6 +47,7 @@ from lmdeploy_pdfix.protocol import (
 )
 from lmdeploy_pdfix.shared_runs import TooManyWaiting
 
+FANOUT_MODULE = 'lmdeploy.serve.openai.chat_completions.fanout'  # LMDeploy's collation of n choices
 PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
@@ -217,9 +222,17 @@ def _is_batch(request_dict: dict[str, Any]) -> bool:
     return isinstance(request_dict.get('prompt'), list)
 
 
-def _unsupported(request_dict: dict[str, Any]) -> str | None:
-    if (request_dict.get('n') or 1) > 1:
-        return 'n > 1 is not supported with the DistServe serving strategy.'
+def _choices(request_dict: dict[str, Any]) -> int:
+    return request_dict.get('n') or 1
+
+
+def _unsupported(path: str, request_dict: dict[str, Any]) -> str | None:
+    if path == CHAT_PATH and _choices(request_dict) > 1:
+        if _choices(request_dict) > settings.MAX_CHOICES.value():
+            return (f'At most {settings.MAX_CHOICES.value()} choices (n) per request with the DistServe serving '
+                    f'strategy ({settings.MAX_CHOICES.name}).')
+        if request_dict.get('session_id') not in (None, -1):
+            return 'n > 1 cannot be used with an explicit session_id.'  # as a Hybrid node answers it
     if _is_batch(request_dict) and not request_dict['prompt']:
         return 'The prompt list is empty.'
     if _is_batch(request_dict) and len(request_dict['prompt']) > settings.MAX_PROMPTS.value():
@@ -347,6 +360,10 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
     migration_request = migration.model_dump(mode='json')
     if answer.ticket is not None:
         migration_request[CACHE_TICKET_FIELD] = answer.ticket
+    if answer.prompt is not None:
+        migration_request[PROMPT_DIGEST_FIELD] = answer.prompt
+    if answer.first_logprobs is not None:
+        migration_request[FIRST_LOGPROBS_FIELD] = [list(pair) for pair in answer.first_logprobs]
     return {**request_dict, 'migration_request': migration_request}
 
 
@@ -407,6 +424,10 @@ class _DecodeStream(StreamingResponse):
         finally:
             await self.settle()
 
+    async def close(self) -> None:
+        """Settle a stream nobody will read (LMDeploy's fan-out closes the choices it discards this way)."""
+        await self.settle()
+
     async def settle(self) -> None:
         if self._settled:
             return
@@ -455,13 +476,17 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
                           credentials: dict[str, str], observer: RelayObserver) -> Any:
     """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
     request_dict = request.model_dump()
-    problem = _unsupported(request_dict)
+    problem = _unsupported(path, request_dict)
     if problem is not None:
         return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
 
     def new_relay() -> _Relay:
         return _Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials, observer=observer)
 
+    if path == CHAT_PATH and _choices(request_dict) > 1:
+        return await _relay_choices(new_relay, request, request_dict)
+    if path == COMPLETIONS_PATH and _choices(request_dict) > 1:
+        request_dict['n'] = 1  # LMDeploy's completions endpoint answers one choice whatever n says
     if not _is_batch(request_dict):
         return await _relay_one(new_relay(), request_dict)
     singles = split_prompts(request_dict)
@@ -478,6 +503,25 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
     if failed is not None:
         return failed  # every prompt's relay has settled its own cache already
     return JSONResponse(merge_completions([json.loads(answer.body) for answer in answers]))
+
+
+async def _relay_choices(new_relay: Callable[[], _Relay], request: Any, request_dict: dict[str, Any]) -> Any:
+    """A chat with n > 1, answered as a Hybrid node answers it: LMDeploy's own fan-out (one single-choice request
+    per choice, choice i seeded with seed + i) collates the choices, each relayed with its own Prefill cache.
+
+    A failed choice is the answer; LMDeploy cancels the others, or closes the streams they opened, and each
+    relay then releases what it retained.
+    """
+    fanout = importlib.import_module(FANOUT_MODULE)
+
+    async def relay_choice(choice_request: Any, _raw_request: Any) -> dict[str, Any] | Any:
+        answer = await _relay_one(new_relay(), choice_request.model_dump())
+        if isinstance(answer, StreamingResponse) or answer.status_code != HTTPStatus.OK:
+            return answer
+        return json.loads(answer.body)  # the fan-out collates single-choice answers as dicts
+
+    answer = await fanout.fanout_chat_completions(relay_choice, request, None, request_dict)
+    return JSONResponse(answer) if isinstance(answer, dict) else answer
 
 
 def observed(answer: Any, observer: RelayObserver, route: str, started: float) -> Any:
@@ -513,8 +557,9 @@ async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             answer = await task
-            if isinstance(answer, _DecodeStream):  # it finished just before the cancel: nobody reads it
-                await answer.settle()
+            close = getattr(answer, 'close', None)  # a stream it made just before the cancel: nobody reads it
+            if close is not None:
+                await close()
         return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
     finally:
         task.cancel()  # a no-op once it is done; stops it if this handler itself is cancelled

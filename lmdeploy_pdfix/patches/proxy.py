@@ -22,6 +22,7 @@ from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.ledger import OwnerLedger, ReleaseCause
 from lmdeploy_pdfix.patches._client import close_node_client
 from lmdeploy_pdfix.patches._relay import (
+    FANOUT_MODULE,
     RelayObserver,
     observed,
     relay_distserve,
@@ -118,6 +119,8 @@ class ProxyDistServePatch(Patch):
         if read:
             return f'node_manager has no {", ".join(read)}'
         return first_problem(
+            signature_problem(importlib.import_module(FANOUT_MODULE), 'fanout_chat_completions',
+                              ['endpoint', 'request', 'raw_request', 'payload']),
             signature_problem(manager, 'get_node_url', ['self', 'model_name', 'role']),
             signature_problem(manager, 'pre_call', ['self', 'node_url']),
             signature_problem(manager, 'post_call', ['self', 'node_url', 'start']),

@@ -41,8 +41,12 @@ from lmdeploy_pdfix.protocol import (
     CHAT_PATH,
     CLAIM_PATH,
     COMPLETIONS_PATH,
+    FIRST_LOGPROBS_FIELD,
     PREFILL_FINISHED_FIELD,
+    PROMPT_DIGEST_FIELD,
     TicketIssuer,
+    first_logprobs_on_wire,
+    prompt_digest,
     sse_chunk_with_owner,
     with_owner,
 )
@@ -61,6 +65,9 @@ class _RequestTrace:
     """What one endpoint call created and generated, seen from LMDeploy's own calls."""
 
     sessions: list[int] = field(default_factory=list)
+    # what a Decode needs to know of the cache the request keeps, beyond its blocks (issue 27): the digest of its
+    # prompt, the logprobs of its first token; None when it keeps none
+    cache_facts: dict[str, Any] | None = None
     input_tokens: int = 0
     generated_tokens: int = 0
     finish_reason: str | None = None
@@ -69,6 +76,8 @@ class _RequestTrace:
         self.input_tokens = output.input_token_len
         self.generated_tokens += len(output.token_ids or ())
         self.finish_reason = output.finish_reason or self.finish_reason
+        if self.cache_facts is not None and output.logprobs and FIRST_LOGPROBS_FIELD not in self.cache_facts:
+            self.cache_facts[FIRST_LOGPROBS_FIELD] = first_logprobs_on_wire(output.logprobs[0])
         return output
 
 
@@ -87,10 +96,14 @@ def _recording_created_sessions(original):
 
 
 def _observing_outputs(original):
-    def generate(self, *args, **kwargs):
-        outputs = original(self, *args, **kwargs)
+    def generate(self, request, *args, **kwargs):
+        outputs = original(self, request, *args, **kwargs)
         trace = _trace.get()
-        return outputs if trace is None else each_transformed(outputs, trace.observe)
+        if trace is None:
+            return outputs
+        if getattr(getattr(request, 'gen_config', None), 'with_cache', False):  # a Decode continues this prompt
+            trace.cache_facts = {PROMPT_DIGEST_FIELD: prompt_digest(request.inputs['input_ids'])}
+        return each_transformed(outputs, trace.observe)
 
     return generate
 
@@ -117,7 +130,7 @@ def _reporting_owner(path: str, server_context):
             finally:
                 _trace.reset(token)
             tickets = issue_ticket if _is_prefill(server_context) else None  # only a Prefill preserves caches
-            return _response_with_owner(response, single_owner(trace.sessions), tickets)
+            return _response_with_owner(response, single_owner(trace.sessions), tickets, trace.cache_facts)
 
         return endpoint_reporting_owner
 
@@ -146,11 +159,12 @@ def _finished_answer(path: str, request: Any, trace: _RequestTrace) -> dict[str,
     return {**body.model_dump(), PREFILL_FINISHED_FIELD: True}
 
 
-def _response_with_owner(response: Any, owner: int | None, tickets: TicketIssuer | None) -> Any:
+def _response_with_owner(response: Any, owner: int | None, tickets: TicketIssuer | None,
+                         facts: dict[str, Any] | None) -> Any:
     if owner is None:
         return response
-    return rewritten_answer(response, lambda body: with_owner(body, owner, tickets),
-                            lambda chunk: sse_chunk_with_owner(chunk, owner, tickets))
+    return rewritten_answer(response, lambda body: with_owner(body, owner, tickets, facts),
+                            lambda chunk: sse_chunk_with_owner(chunk, owner, tickets, facts))
 
 
 def _adding_capabilities(original):

@@ -40,6 +40,7 @@ _NODE_PORTS = range(20000, 32768)
 class ClusterConfig:
     prefill: int = 1
     decode: int = 1
+    hybrid: int = 0  # --role Hybrid nodes of the same model beside the cluster, not registered with its proxy
     stock: bool = False  # LMDEPLOY_PDFIX unset: LMDeploy as released, only the model emulated
     stock_roles: tuple[str, ...] = ()  # roles (Proxy, Prefill, Decode) run stock even when ``stock`` is False
     max_prefill_token_num: int | None = None
@@ -54,12 +55,13 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every node, e.g. a short orphan TTL
     api_key: str | None = None  # --api-keys of the proxy and every node, and LMDEPLOY_PDFIX_NODE_API_KEY of each
     node_args: tuple[str, ...] = ()  # extra api_server arguments of every node, e.g. --enable-abort-handling
+    decode_args: tuple[str, ...] = ()  # extra api_server arguments of Decode nodes only, e.g. another --chat-template
 
 
 @dataclass
 class Process:
     name: str
-    role: str  # Proxy, Prefill or Decode
+    role: str  # Proxy, Prefill, Decode or Hybrid
     url: str
     pid: int
     log: str
@@ -85,6 +87,10 @@ class Cluster:
     def decode_urls(self) -> list[str]:
         return self._urls('Decode')
 
+    @property
+    def hybrid_urls(self) -> list[str]:
+        return self._urls('Hybrid')
+
     def _urls(self, role: str) -> list[str]:
         return [proc.url for proc in self.processes if proc.role == role]
 
@@ -108,6 +114,7 @@ class Cluster:
         wait_http_ok(f'{proxy.url}/nodes/status', deadline, proxy.pid)
         nodes = [self._spawn(f'prefill{i}', 'Prefill', self._node_args) for i in range(cfg.prefill)]
         nodes += [self._spawn(f'decode{i}', 'Decode', self._node_args) for i in range(cfg.decode)]
+        nodes += [self._spawn(f'hybrid{i}', 'Hybrid', self._node_args) for i in range(cfg.hybrid)]
         for node in nodes:
             wait_http_ok(f'{node.url}/health', deadline, node.pid)
         self._wait_registered(deadline)
@@ -129,8 +136,12 @@ class Cluster:
     def _node_args(self, port: int, role: str) -> list[str]:
         args = ['serve', 'api_server', str(self.config.model_dir.resolve()), '--backend', 'pytorch',
                 '--server-name', HOST, '--server-port', str(port), '--model-name', MODEL_NAME, '--role', role,
-                '--migration-backend', 'Mooncake', '--proxy-url', self.proxy_url, '--log-level', 'INFO',
-                '--max-batch-size', str(self.config.max_batch_size), *self._keys(), *self.config.node_args]
+                '--log-level', 'INFO', '--max-batch-size', str(self.config.max_batch_size), *self._keys(),
+                *self.config.node_args]
+        if role != 'Hybrid':  # a Hybrid node answers by itself: the reference a DistServe answer must equal
+            args += ['--migration-backend', 'Mooncake', '--proxy-url', self.proxy_url]
+        if role == 'Decode':
+            args += self.config.decode_args
         if self.config.max_prefill_token_num is not None:
             args += ['--max-prefill-token-num', str(self.config.max_prefill_token_num)]
         return args
@@ -188,7 +199,7 @@ class Cluster:
         return env
 
     def _wait_registered(self, deadline: float) -> None:
-        expected = {proc.url for proc in self.processes if proc.role != 'Proxy'}
+        expected = {proc.url for proc in self.processes if proc.role in ('Prefill', 'Decode')}
         while True:
             status = http_json('GET', f'{self.proxy_url}/nodes/status', timeout=5) or {}
             if expected <= set(status):
@@ -282,7 +293,8 @@ class Cluster:
     def from_json(cls, data: dict[str, Any]) -> Cluster:
         cfg = dict(data['config'])
         cfg['log_dir'], cfg['model_dir'] = Path(cfg['log_dir']), Path(cfg['model_dir'])
-        cfg['stock_roles'] = tuple(cfg.get('stock_roles', ()))
+        for name in ('stock_roles', 'node_args', 'decode_args'):
+            cfg[name] = tuple(cfg.get(name, ()))
         return cls(ClusterConfig(**cfg), [Process(**proc) for proc in data['processes']], data.get('startup_s'))
 
 

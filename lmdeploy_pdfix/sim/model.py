@@ -24,6 +24,10 @@ SIG_SLOTS = 5
 _POS_PERIOD = 1021
 _MASK32 = (1 << 32) - 1
 
+# The tags LMDeploy's reasoning and tool-call parsers look for in a tokenizer's vocabulary (--reasoning-parser,
+# --tool-call-parser): with them a node of the emulated model serves either.
+TAG_TOKENS = ('<think>', '</think>', '<tool_call>', '</tool_call>')
+
 # Everything after the first message's content is ignored, so chat prompts are predictable.
 CHAT_TEMPLATE = '{% for message in messages %}{{ message["content"] }}{% endfor %}'
 
@@ -108,6 +112,7 @@ def _tokenizer_json() -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(['<s>', '</s>'])
+    tok.add_tokens(list(TAG_TOKENS))  # ids 258..: a tag is one token, as in the models the parsers serve
     return tok.to_str()
 
 
@@ -128,11 +133,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 def ensure_model_dir(path: str | Path) -> Path:
     """Write config.json and the tokenizer files under ``path`` (no weights; idempotent)."""
     root = Path(path)
-    marker = root / 'config.json'
-    if marker.exists() and json.loads(marker.read_text()) == MODEL_CONFIG:
+    marker, tokenizer = root / 'config.json', _tokenizer_json()
+    if marker.exists() and json.loads(marker.read_text()) == MODEL_CONFIG \
+            and (root / 'tokenizer.json').read_text() == tokenizer:
         return root
     root.mkdir(parents=True, exist_ok=True)
-    (root / 'tokenizer.json').write_text(_tokenizer_json())
+    (root / 'tokenizer.json').write_text(tokenizer)
     tokenizer_config = {
         'tokenizer_class': 'PreTrainedTokenizerFast',
         'bos_token': '<s>',
