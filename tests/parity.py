@@ -33,6 +33,8 @@ _TOOLS = [{'type': 'function', 'function': {
 _SCHEMA = {'name': 'reading', 'schema': {'type': 'object', 'properties': {'a': {'type': 'integer'}},
                                          'required': ['a']}}
 _SAMPLED = {'temperature': 0.9, 'seed': 1234}
+# without thinking (the reasoning parser starts every answer in reasoning), so a required tool call is made
+_TOOLING = {'enable_thinking': False, 'max_tokens': 40}
 
 # option -> (routes it applies to, the request fields that set it; None removes a field of the base request)
 OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -48,8 +50,9 @@ OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     'stop (first token)': (('chat', 'completions'), {'stop': [_FIRST[0]]}),
     'include_stop_str_in_output': (('chat',), {'stop': [_FIRST[3]], 'include_stop_str_in_output': True}),
     'ignore_eos': (('chat', 'completions'), {'ignore_eos': True}),
-    'logit_bias (EOS first)': (('chat',), {'logit_bias': {str(model.EOS_ID): 100}}),
-    'min_new_tokens': (('chat',), {'logit_bias': {str(model.EOS_ID): 100}, 'min_new_tokens': 3}),
+    'logit_bias': (('chat',), {'logit_bias': {str(ord('z')): 50}}),
+    # the first token is a stop word, banned until 3 tokens are out: the Decode must count the first one
+    'min_new_tokens': (('chat',), {'stop': [_FIRST[0]], 'min_new_tokens': 3}),
     'repetition_penalty': (('chat', 'completions'), {'repetition_penalty': 1.5}),
     'presence_penalty': (('chat', 'completions'), {'presence_penalty': 1.5}),
     'frequency_penalty': (('chat', 'completions'), {'frequency_penalty': 1.5}),
@@ -74,12 +77,12 @@ OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                                 'max_tokens': 12}),
     'response_format regex_schema': (('chat',), {'response_format': {'type': 'regex_schema',
                                                                      'regex_schema': '(sunny|rainy) [0-9]+'}}),
-    'tools': (('chat',), {'tools': _TOOLS}),
-    'tool_choice required': (('chat',), {'tools': _TOOLS, 'tool_choice': 'required', 'max_tokens': 40}),
-    'tool_choice named': (('chat',), {'tools': _TOOLS, 'max_tokens': 40,
+    'tools': (('chat',), {**_TOOLING, 'tools': _TOOLS}),
+    'tool_choice required': (('chat',), {**_TOOLING, 'tools': _TOOLS, 'tool_choice': 'required'}),
+    'tool_choice named': (('chat',), {**_TOOLING, 'tools': _TOOLS,
                                       'tool_choice': {'type': 'function', 'function': {'name': 'get_weather'}}}),
-    'tool_choice none': (('chat',), {'tools': _TOOLS, 'tool_choice': 'none'}),
-    'parallel_tool_calls': (('chat',), {'tools': _TOOLS, 'parallel_tool_calls': False}),
+    'tool_choice none': (('chat',), {**_TOOLING, 'tools': _TOOLS, 'tool_choice': 'none'}),
+    'parallel_tool_calls': (('chat',), {**_TOOLING, 'tools': _TOOLS, 'parallel_tool_calls': False}),
     'enable_thinking': (('chat',), {'enable_thinking': False}),
     'reasoning_effort': (('chat',), {'reasoning_effort': 'low'}),
     'chat_template_kwargs': (('chat',), {'chat_template_kwargs': {'enable_thinking': True}}),

@@ -44,6 +44,7 @@ class PrefillBook:
     free_status: int = 200  # what /distserve/free_cache answers
     delay_s: float = 0.0  # how long the prefill takes; like a real engine it keeps the cache if the caller left
     free_delay_s: float = 0.0  # how long a free takes to arrive; a caller that gives up first frees nothing
+    kv_layout: dict[str, Any] | None = None  # what its capability route says of its KV cache (None: nothing)
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -68,6 +69,7 @@ class DecodeBook:
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
     client_ports: set[int] = field(default_factory=set)
+    kv_layout: dict[str, Any] | None = None  # what its capability route says of its KV cache (None: nothing)
 
 
 def _new_app(book: PrefillBook | DecodeBook) -> FastAPI:
@@ -118,8 +120,9 @@ def _add_handshake(app: FastAPI) -> None:
 def prefill_app(book: PrefillBook) -> FastAPI:
     app = _new_app(book)
     if book.fixed:
-        app.get(CAPABILITIES_PATH)(lambda: JSONResponse({'cache_owner': True} if book.probe_status == 200 else
-                                                        {'error': 'Unauthorized'}, status_code=book.probe_status))
+        app.get(CAPABILITIES_PATH)(lambda: JSONResponse(
+            {'cache_owner': True, 'kv_layout': book.kv_layout} if book.probe_status == 200 else
+            {'error': 'Unauthorized'}, status_code=book.probe_status))
 
     @app.post('/distserve/free_cache')
     async def free_cache(request: Request):
@@ -172,6 +175,7 @@ def prefill_app(book: PrefillBook) -> FastAPI:
 
 def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
     app = _new_app(book)
+    app.get(CAPABILITIES_PATH)(lambda: {'cache_owner': True, 'kv_layout': book.kv_layout})
 
     async def decode(request: Request):
         body = await request.json()

@@ -15,8 +15,10 @@ from tests.stand_in_nodes import (
     FIRST_TOKEN,
     MODEL,
     Cluster,
+    DecodeBook,
     PrefillBook,
     audit,
+    decode_app,
     decoded_text,
     prefill_app,
 )
@@ -253,6 +255,33 @@ async def test_an_unfixed_prefill_node_is_refused_with_the_fix_before_any_work(d
     assert response.status_code == 503
     assert 'LMDEPLOY_PDFIX=1' in response.json()['message']
     assert unfixed.requests == [] and distserve.decode.migrations == []
+
+
+LAYOUT = {'architecture': 'LlamaForCausalLM', 'num_layers': 2, 'num_kv_heads': 2, 'head_dim': 16, 'block_size': 64,
+          'kv_dtype': 'float16', 'quant_policy': 0, 'tp': 1}
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('decode_layout, differs', [({**LAYOUT, 'block_size': 32}, 'block_size 64 vs 32'),
+                                                    ({**LAYOUT, 'quant_policy': 8}, 'quant_policy 0 vs 8'),
+                                                    ({**LAYOUT, 'kv_dtype': 'bfloat16'}, "kv_dtype 'float16' vs")],
+                         ids=['block-size', 'kv-quantization', 'kv-dtype'])
+async def test_a_prefill_and_decode_that_cannot_share_kv_are_refused_before_any_work(
+        distserve: Cluster, decode_layout: dict, differs: str) -> None:
+    prefill, decode = PrefillBook(kv_layout=LAYOUT), DecodeBook(kv_layout=decode_layout)
+    nodes = distserve.proxy.node_manager
+    with serving(prefill_app(prefill)) as p_url, serving(decode_app(decode, prefill)) as d_url:
+        nodes.nodes.clear()
+        for url, role in ((p_url, 'Prefill'), (d_url, 'Decode')):
+            nodes.add(url, distserve.proxy.Status(role=getattr(distserve.proxy.EngineRole, role), models=[MODEL]))
+        try:
+            refused = await distserve.post('/v1/completions', COMPLETION)
+        finally:
+            nodes.nodes.clear()
+    assert refused.status_code == 503, refused.text
+    message = refused.json()['message']
+    assert 'cannot share KV caches' in message and differs in message and '--cache-block-seq-len' in message
+    assert prefill.requests == [] and decode.migrations == []
 
 
 @pytest.mark.regression

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
+from lmdeploy_pdfix.kv_layout import HOW_TO_PAIR, layout_differences
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.patches._client import free_prefill_session, node_client, not_pooled_after_an_error
 from lmdeploy_pdfix.patching import lmdeploy_logger
@@ -163,13 +164,23 @@ class NodeCredentialsRefusedError(Exception):
 
 
 class _CapabilityProbe:
-    """Whether a Prefill node names cache owners, asked once per node and remembered for a while."""
+    """What a node says of itself (whether it names cache owners, its KV layout), asked once per node and
+    remembered for a while."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[bool, float]] = {}
+        self._known: dict[str, tuple[dict[str, Any], float]] = {}
 
     async def names_owners(self, url: str) -> bool | None:
         """True or False as the node says; None when it cannot be asked (not remembered)."""
+        said = await self._said(url)
+        return None if said is None else said.get('cache_owner') is True
+
+    async def kv_layout(self, url: str) -> Any:
+        """The node's KV layout as it describes it; None when it does not, or cannot be asked."""
+        said = await self._said(url)
+        return None if said is None else said.get('kv_layout')
+
+    async def _said(self, url: str) -> dict[str, Any] | None:
         known = self._known.get(url)
         if known is not None and time.monotonic() < known[1]:
             return known[0]
@@ -181,9 +192,9 @@ class _CapabilityProbe:
                 body = await response.json(content_type=None) if response.status == HTTPStatus.OK else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
-        capable = isinstance(body, dict) and body.get('cache_owner') is True
-        self._known[url] = (capable, time.monotonic() + PROBE_TTL_S[capable])
-        return capable
+        said = body if isinstance(body, dict) else {}
+        self._known[url] = (said, time.monotonic() + PROBE_TTL_S[said.get('cache_owner') is True])
+        return said
 
 
 _probe = _CapabilityProbe()
@@ -204,6 +215,20 @@ async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
     return None
 
 
+async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
+    """A Prefill and a Decode whose KV caches differ in layout never exchange one (D28): refused before any work."""
+    try:
+        prefill, decode = await asyncio.gather(_probe.kv_layout(relay.p_url), _probe.kv_layout(relay.d_url))
+    except NodeCredentialsRefusedError:  # the Decode's own call will say so, with the client's credentials
+        return None
+    differences = layout_differences(prefill, decode)
+    if not differences:
+        return None
+    return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                       f'Prefill node {relay.p_url} and Decode node {relay.d_url} cannot share KV caches '
+                       f'({"; ".join(differences)}): {HOW_TO_PAIR}.')
+
+
 def _node_url(nodes, model: str, role) -> str | None:
     try:
         return nodes.get_node_url(model, role)
@@ -215,7 +240,17 @@ def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
     prefill = {**request_dict, 'max_tokens': 1, 'stream': False, 'with_cache': True, 'preserve_cache': True}
     if 'max_completion_tokens' in prefill:
         prefill['max_completion_tokens'] = 1
+    if _bans_stop_words_first(request_dict):
+        # LMDeploy drops a min_new_tokens above max_new_tokens (1 here): the first token could stop the answer
+        prefill['min_new_tokens'] = 1
     return prefill
+
+
+def _bans_stop_words_first(request_dict: dict[str, Any]) -> bool:
+    """Whether the request's min_new_tokens keeps its stop words from its first token, as LMDeploy reads it."""
+    least = request_dict.get('min_new_tokens') or 0
+    most = request_dict.get('max_completion_tokens') or request_dict.get('max_tokens')
+    return isinstance(least, int) and least > 1 and (most is None or least <= most)
 
 
 def _is_batch(request_dict: dict[str, Any]) -> bool:
@@ -595,7 +630,7 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
         missing = 'Prefill' if not relay.p_url else 'Decode'
         return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
     with relay.phase('probe'):
-        refused = await _refuse_unfixed_prefill(relay)
+        refused = await _refuse_unfixed_prefill(relay) or await _refuse_incompatible_pair(relay)
     if refused is not None:
         return refused
     with relay.phase('prefill'):

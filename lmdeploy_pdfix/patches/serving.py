@@ -26,6 +26,7 @@ from typing import Any
 import shortuuid
 
 from lmdeploy_pdfix import __version__
+from lmdeploy_pdfix.kv_layout import kv_layout
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
 from lmdeploy_pdfix.patches._node_routes import issue_ticket, release_cache
 from lmdeploy_pdfix.patches._routes import (
@@ -167,6 +168,12 @@ def _response_with_owner(response: Any, owner: int | None, tickets: TicketIssuer
                             lambda chunk: sse_chunk_with_owner(chunk, owner, tickets, facts))
 
 
+def _layout_of(engine: Any) -> dict[str, Any]:
+    """The node's KV cache layout, which the proxy compares between a Prefill and a Decode before linking them."""
+    return kv_layout(getattr(engine, 'arch', None), getattr(engine, 'hf_cfg', None),
+                     getattr(engine, 'backend_config', None))
+
+
 def _adding_capabilities(original):
     def register(router, server_context):
         original(router, server_context)
@@ -175,7 +182,8 @@ def _adding_capabilities(original):
         async def pdfix_capabilities():
             # asked of the router, not of the switches: node_cache_routes adds claims and the truthful free together
             book = find_post_route(router.routes, CLAIM_PATH) is not None
-            return {'cache_owner': True, 'truthful_free': book, 'claims': book, 'lmdeploy_pdfix': __version__}
+            return {'cache_owner': True, 'truthful_free': book, 'claims': book, 'lmdeploy_pdfix': __version__,
+                    'kv_layout': _layout_of(server_context.async_engine)}
 
     return register
 
