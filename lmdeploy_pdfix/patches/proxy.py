@@ -7,6 +7,11 @@ our own relay (``_relay.py``), which takes the owner from ``cache_session_id`` o
 invalid owner with a clear 502, releases the Prefill cache on every failure it sees, and returns the Decode
 node's status as it is. It also makes ``POST /distserve/gc`` work (D17) and adds ``GET
 /distserve/pdfix/audit``. Hybrid mode and ``--dummy-prefill`` keep LMDeploy's own handlers.
+
+An answer is the one a Hybrid node gives (issue 27): a chat with ``n > 1`` goes through LMDeploy's own fan-out
+(``chat_completions.fanout``), one relayed request per choice, each with its own Prefill cache (D18); completions
+keep LMDeploy's single choice; the Prefill's request keeps a ``min_new_tokens`` that bans stop words from the
+first token; and a Prefill/Decode pair whose KV layouts differ is refused before any work (D28).
 """
 
 from __future__ import annotations

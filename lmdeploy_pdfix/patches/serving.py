@@ -9,7 +9,12 @@ the engine keeps a book of preserved caches. Public ids are unchanged. A request
 token (D8) gets a finished answer marked ``prefill_finished`` and its preserved session ended, instead of a
 500 that keeps the session. Only a Prefill node honours ``preserve_cache``: elsewhere a client could pin KV
 blocks that nothing evicts (D6) until the orphan TTL. The node also answers
-``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work.
+``GET /distserve/pdfix/capabilities``, so a proxy can tell it names owners before sending it any work, and that
+its KV layout matches the Decode's (D28).
+
+A Prefill answer also names what a Decode needs beyond the blocks (issue 27): the digest of the prompt's token
+ids (``cache_prompt_digest``: the Decode checks it renders the same prompt, D26) and the logprobs of the first
+token where they were asked for (``cache_first_token_logprobs``: the Decode reports them with that token, D25).
 
 The DistServe routes of the node (truthful frees, claims, audit) are the ``node_cache_routes`` unit; the
 Decode node's checks of ``migration_request`` are ``decode_migration_checks``.
