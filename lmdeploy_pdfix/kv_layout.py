@@ -47,5 +47,10 @@ def layout_differences(prefill: Any, decode: Any) -> list[str]:
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f'{text[:40]}…'
+    """``value`` as a refusal names it: a node's answer is hostile until parsed, so only a short scalar is shown."""
+    short = (value is None or isinstance(value, (bool, float)) or (isinstance(value, int) and abs(value) < 10 ** 12)
+             or (isinstance(value, str) and len(value) <= 40))
+    if short:
+        return repr(value)
+    name = type(value).__name__
+    return f'{"an" if name[0] in "aeiou" else "a"} {name}'

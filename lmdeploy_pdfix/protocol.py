@@ -222,13 +222,15 @@ def parse_prefill_answer(body: Any) -> PrefillAnswer:
     if not _is_int_list(token_ids) or not token_ids:
         raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
     prompt = body.get(PROMPT_DIGEST_FIELD)
+    if prompt is not None and not is_prompt_digest(prompt):  # a check the Decode could not make: fail closed
+        raise PrefillAnswerError(f'the Prefill answer has a malformed {PROMPT_DIGEST_FIELD}: {_short(prompt)}', owner)
     try:
         first_logprobs = parse_first_logprobs(body.get(FIRST_LOGPROBS_FIELD))
     except ValueError as exc:
         raise PrefillAnswerError(f'the Prefill answer has a malformed {exc}', owner) from None
     return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1],
-                         ticket=_ticket_or_none(body.get(CACHE_TICKET_FIELD)),
-                         prompt=prompt if is_prompt_digest(prompt) else None, first_logprobs=first_logprobs)
+                         ticket=_ticket_or_none(body.get(CACHE_TICKET_FIELD)), prompt=prompt,
+                         first_logprobs=first_logprobs)
 
 
 def _ticket_or_none(value: Any) -> str | None:

@@ -38,7 +38,7 @@ def decoded_text(owner: Any) -> str:
 class PrefillBook:
     """What a Prefill node retains and what it was asked."""
 
-    answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | error | finished
+    answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | bad_digest | bad_logprobs | error | finished
     fixed: bool = True  # runs lmdeploy-pdfix: says so at the capability route
     probe_status: int = 200  # what the capability route answers (401: started with --api-keys the proxy lacks)
     free_status: int = 200  # what /distserve/free_cache answers
@@ -160,6 +160,10 @@ def prefill_app(book: PrefillBook) -> FastAPI:
             answer['cache_session_id'] = 'chatcmpl-abc'
         elif book.answer == 'no_blocks':
             answer['cache_block_ids'] = []
+        elif book.answer == 'bad_digest':
+            answer['cache_prompt_digest'] = 'not a digest'
+        elif book.answer == 'bad_logprobs':
+            answer['cache_first_token_logprobs'] = [['a', 'b']]
         return answer
 
     @app.post('/v1/chat/completions')

@@ -117,12 +117,16 @@ async def test_prefill_answer_without_a_valid_owner_gets_a_clear_502(distserve: 
 
 
 @pytest.mark.regression
-async def test_prefill_answer_with_owner_but_no_cache_is_refused_and_released(distserve: Cluster) -> None:
-    distserve.prefill.answer = 'no_blocks'
+@pytest.mark.parametrize('answer, field', [('no_blocks', 'cache_block_ids'), ('bad_digest', 'cache_prompt_digest'),
+                                           ('bad_logprobs', 'cache_first_token_logprobs')])
+async def test_prefill_answer_with_owner_but_no_usable_cache_is_refused_and_released(distserve: Cluster, answer: str,
+                                                                                     field: str) -> None:
+    distserve.prefill.answer = answer
     response = await distserve.post('/v1/chat/completions', CHAT)
     assert response.status_code == 502
-    assert 'cache_block_ids' in response.json()['message']
+    assert field in response.json()['message']
     assert distserve.prefill.retained == set() and len(distserve.prefill.freed) == 1
+    assert distserve.decode.migrations == []
 
 
 @pytest.mark.regression
