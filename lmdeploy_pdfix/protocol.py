@@ -43,6 +43,10 @@ _PROMPT_DIGEST = re.compile(r'[0-9]{1,9}-[0-9a-f]{32}')
 FIRST_LOGPROBS_FIELD = 'cache_first_token_logprobs'
 MAX_FIRST_LOGPROBS = 1025  # the sampled token and at most LMDeploy's 1024 top logprobs
 
+# Inside one Decode node, from its scheduler to the process that samples: the key of a migrated sequence's first
+# token in LMDeploy's per-sequence sampling context, for its grammar to accept first (D25).
+MIGRATED_FIRST_TOKEN_KEY = 'pdfix_migrated_first_token'
+
 # A Prefill answer that is already the whole answer (the first token was a stop token): nothing to migrate,
 # and the Prefill node has already ended the session.
 PREFILL_FINISHED_FIELD = 'prefill_finished'

@@ -146,7 +146,13 @@ PATCHES: tuple[PatchSpec, ...] = (
         module='lmdeploy_pdfix.patches.decode_first_token',
         target='lmdeploy.pytorch.engine.engine_loop',
         summary=("A Decode node's migrated first token counts as its first sampled token: it ends a request whose "
-                 'budget it exhausts, and the grammar of guided decoding accepts it before the first Decode step'),
+                 'budget it exhausts, and is named to the grammar of a guided request'),
+    ),
+    PatchSpec(
+        name='guided_first_token',
+        module='lmdeploy_pdfix.patches.guided_first_token',
+        target='lmdeploy.pytorch.engine.guided_process',
+        summary="The grammar of a migrated guided request accepts the Prefill's first token before the Decode samples",
     ),
     PatchSpec(
         name='engine_connections',

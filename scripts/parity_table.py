@@ -19,8 +19,8 @@ from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
 from tests.parity import NODE_ARGS, Case, answer, cases, differences, protocol_fields, send
 
 
-def run(stock: bool, all_cases: list[Case], root: Path) -> dict[str, tuple[dict, list[str]]]:
-    """case id -> (the Hybrid node's answer, what DistServe answered otherwise)."""
+def run(stock: bool, all_cases: list[Case], root: Path) -> dict[str, tuple[dict, dict]]:
+    """case id -> (the Hybrid node's answer, the DistServe answer)."""
     name = 'stock' if stock else 'patched'
     config = ClusterConfig(stock=stock, hybrid=1, node_args=NODE_ARGS, log_dir=root / name, model_dir=root / 'model')
     results = {}
@@ -28,35 +28,49 @@ def run(stock: bool, all_cases: list[Case], root: Path) -> dict[str, tuple[dict,
         for case in all_cases:
             hybrid = answer(*send(cluster.hybrid_urls[0], case), case.stream)
             distserve = answer(*send(cluster.proxy_url, case), case.stream)
-            results[case.id] = (hybrid, differences(hybrid, distserve))
+            results[case.id] = (hybrid, distserve)
             print(f'{name} {case.id}: {differences(hybrid, distserve) or "same"}', file=sys.stderr)
     return results
 
 
-def _cell(found: list[str], stream: list[str]) -> str:
-    if not found and not stream:
+def _outcome(answer: dict) -> str:
+    if answer.get('broken_off'):
+        return f'{answer["status"]}, the stream breaks off'
+    if answer.get('stream_error'):
+        return f'{answer["status"]}, then an error event'
+    if 'choices' not in answer:
+        return str(answer['status'])
+    finishes = sorted({choice.get('finish_reason') for choice in answer['choices']} - {None})
+    return f'{answer["status"]}, {len(answer["choices"])} choice(s), {"/".join(finishes) or "no finish_reason"}'
+
+
+def _label(hybrid: dict, distserve: dict) -> str:
+    """How a DistServe answer differs from the Hybrid one, in a few words."""
+    if not differences(hybrid, distserve):
         return 'same'
-    parts = [f'whole: {found[0]}'] if found else []
-    parts += [f'stream: {stream[0]}'] if stream else []
-    return '; '.join(parts).replace('|', '\\|')
+    if 'choices' not in hybrid or 'choices' not in distserve or hybrid['status'] != distserve['status']:
+        return _outcome(distserve)
+    parts = {found.split(':')[0].split(' ')[2] if found.startswith('choice') else found.split(' ')[0]
+             for found in differences(hybrid, distserve)}
+    return 'other ' + ', '.join(sorted(parts))
 
 
-def _hybrid_cell(hybrid: dict) -> str:
-    if 'choices' not in hybrid:
-        return str(hybrid['status'])
-    finishes = sorted({choice.get('finish_reason') for choice in hybrid['choices']} - {None})
-    return f'{hybrid["status"]}, {len(hybrid["choices"])} choice(s), {"/".join(finishes)}'
+def _cell(results: dict, case: Case, say=_label) -> str:
+    """What ``say`` says of the case's answers, whole and streamed, once where they agree."""
+    if not results:
+        return '-'
+    whole = say(*results[case.id])
+    stream = say(*results[Case(case.option, case.route, True).id])
+    return whole if whole == stream else f'whole: {whole}; stream: {stream}'
 
 
 def table(all_cases: list[Case], stock: dict, patched: dict) -> str:
     rows = ['| option | route | stock DistServe | patched DistServe | Hybrid |', '|---|---|---|---|---|']
     for case in all_cases:
-        if case.stream:
-            continue
-        streamed = Case(case.option, case.route, True).id
-        stock_cell = _cell(stock[case.id][1], stock[streamed][1]) if stock else '-'
-        rows.append(f'| `{case.option}` | {case.route} | {stock_cell} | '
-                    f'{_cell(patched[case.id][1], patched[streamed][1])} | {_hybrid_cell(patched[case.id][0])} |')
+        if not case.stream:
+            hybrid = _cell(patched, case, lambda hybrid, _: _outcome(hybrid))
+            rows.append(f'| `{case.option}` | {case.route} | {_cell(stock, case)} | {_cell(patched, case)} | '
+                        f'{hybrid} |')
     return '\n'.join(rows)
 
 
@@ -72,11 +86,11 @@ def main() -> int:
         stock = {} if args.patched_only else run(True, all_cases, root)
         patched = run(False, all_cases, root)
     if args.json:
-        print(json.dumps({'stock': {key: found for key, (_, found) in stock.items()},
-                          'patched': {key: found for key, (_, found) in patched.items()}}, indent=1))
+        print(json.dumps({mode: {key: differences(*pair) for key, pair in results.items()}
+                          for mode, results in (('stock', stock), ('patched', patched))}, indent=1))
     else:
         print(table(all_cases, stock, patched))
-    return 0 if not any(found for _, found in patched.values()) else 1
+    return 0 if not any(differences(*pair) for pair in patched.values()) else 1
 
 
 if __name__ == '__main__':

@@ -65,6 +65,7 @@ def guided(apply_patch: Callable[[str], ModuleType], tmp_path: Path):
     from transformers import AutoTokenizer
 
     apply_patch('decode_first_token')
+    apply_patch('guided_first_token')
     tokenizer = AutoTokenizer.from_pretrained(str(model.ensure_model_dir(tmp_path / 'model')))
     manager = importlib.import_module('lmdeploy.pytorch.engine.guided_process').GuidedDecodingManager(
         tokenizer, model.VOCAB_SIZE)

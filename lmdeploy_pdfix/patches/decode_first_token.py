@@ -9,11 +9,11 @@ answers otherwise:
   token that exhausts ``max_new_tokens`` (or is one of the request's stop ids) finishes the request at once:
   the Decode stops the sequence before its first step and its output is the final one, so the answer has the
   usage and finish_reason a Hybrid node gives.
-- guided decoding (``response_format``, tool calls with ``tool_choice`` required or named) starts its grammar
-  after the first token: a JSON answer begins ``{{``. Here the grammar matcher of a migrated sequence accepts
-  the first token when the Decode creates it, before its first step masks any logits. The token travels from
-  the scheduler to the model agent in the sampling inputs' per-sequence context, so the matcher learns it in
-  whichever process samples.
+- guided decoding (``response_format``, tool calls with ``tool_choice`` required) starts its grammar after the
+  first token: a JSON answer begins ``{{``. Here the sampling inputs of a migrated sequence with a grammar name
+  its first token in their per-sequence context, which travels from the scheduler to the model agent in
+  whichever process samples; the ``guided_first_token`` unit, applied where the agent runs, has the grammar
+  matcher accept it before the Decode's first step masks any logits.
 
 Penalties, ``min_new_tokens``, seeded sampling and stop words already count the first token: LMDeploy appends
 it to the sequence's generated ids before the Decode's first step.
@@ -26,12 +26,10 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.patching import Patch, attribute_problem, coroutine_problem, first_problem, signature_problem
+from lmdeploy_pdfix.protocol import MIGRATED_FIRST_TOKEN_KEY
 
 SAMPLING_MODULE = 'lmdeploy.pytorch.strategies.ar.sampling'
-GUIDED_MODULE = 'lmdeploy.pytorch.engine.guided_process'
 MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
-# The per-sequence sampling context's key for a migrated first token the grammar has not seen yet.
-FIRST_TOKEN_KEY = 'pdfix_migrated_first_token'
 
 
 def first_token_ends(msg: Any) -> bool:
@@ -77,25 +75,10 @@ def _naming_first_tokens(original):
         for seq, context in zip(seqs, inputs.session_ctx, strict=True):
             request = seq.migration_request
             if request is not None and not request.is_dummy_prefill and seq.sampling_param.response_format:
-                context[FIRST_TOKEN_KEY] = request.remote_token_id
+                context[MIGRATED_FIRST_TOKEN_KEY] = request.remote_token_id
         return inputs
 
     return make_sampling_inputs
-
-
-def _grammar_from_first_token(original):
-    def get_processors(self, session_ctx, response_formats):
-        new = [index for index, context in enumerate(session_ctx)
-               if FIRST_TOKEN_KEY in context
-               and context['seq_id'] not in self.processors.get(context['session_id'], {})]
-        processors = original(self, session_ctx, response_formats)
-        for index in new:
-            processor = processors.get(index)
-            if processor is not None:
-                self.accept_token(processor, int(session_ctx[index][FIRST_TOKEN_KEY]))
-        return processors
-
-    return get_processors
 
 
 class DecodeFirstTokenPatch(Patch):
@@ -104,7 +87,6 @@ class DecodeFirstTokenPatch(Patch):
     wraps = (
         'lmdeploy.pytorch.engine.engine_loop:EngineLoop._migration_loop_get_outputs',
         f'{SAMPLING_MODULE}:ARSamplingStrategy.make_sampling_inputs',
-        f'{GUIDED_MODULE}:GuidedDecodingManager.get_processors',
     )
 
     def shape_problem(self, module: ModuleType) -> str | None:
@@ -112,29 +94,23 @@ class DecodeFirstTokenPatch(Patch):
         if loop is None:
             return 'EngineLoop is missing'
         strategy = getattr(importlib.import_module(SAMPLING_MODULE), 'ARSamplingStrategy', None)
-        manager = getattr(importlib.import_module(GUIDED_MODULE), 'GuidedDecodingManager', None)
-        if strategy is None or manager is None:
-            return 'ARSamplingStrategy or GuidedDecodingManager is missing'
+        if strategy is None:
+            return 'ARSamplingStrategy is missing'
         messages = importlib.import_module(MESSAGES_MODULE)
         return first_problem(
             attribute_problem(loop, ['resp_queue']),
             attribute_problem(messages.SchedulerSequence, ['sampling_param', 'migration_request', 'num_new_tokens',
                                                            'session_id', 'state']),
             attribute_problem(messages.SamplingParam, ['max_new_tokens', 'stop_words', 'response_format']),
-            attribute_problem(manager, ['processors']),
             signature_problem(loop, '_migration_loop_get_outputs', ['self', 'migration_ready']),
             coroutine_problem(loop, '_migration_loop_get_outputs'),
             signature_problem(strategy, 'make_sampling_inputs', ['self', 'seqs']),
-            signature_problem(manager, 'get_processors', ['self', 'session_ctx', 'response_formats']),
-            signature_problem(manager, 'accept_token', ['self', 'processor', 'token']),
         )
 
     def _apply(self, module: ModuleType) -> None:
         self.wrap(module.EngineLoop, '_migration_loop_get_outputs', _finishing_at_first_token)
         self.wrap(importlib.import_module(SAMPLING_MODULE).ARSamplingStrategy, 'make_sampling_inputs',
                   _naming_first_tokens)
-        self.wrap(importlib.import_module(GUIDED_MODULE).GuidedDecodingManager, 'get_processors',
-                  _grammar_from_first_token)
 
 
 PATCH = DecodeFirstTokenPatch()
