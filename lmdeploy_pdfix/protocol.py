@@ -141,27 +141,42 @@ def is_prompt_digest(value: Any) -> bool:
     return isinstance(value, str) and _PROMPT_DIGEST.fullmatch(value) is not None
 
 
-FirstLogprobs = tuple[tuple[int, float], ...]
+FirstLogprobs = dict[int, float]  # token id -> logprob, as LMDeploy's outputs carry them
 
 
-def first_logprobs_on_wire(logprobs: dict[int, float]) -> list[list[int | float]]:
+def first_logprobs_on_wire(logprobs: FirstLogprobs) -> list[list[int | float]]:
     return [[token, value] for token, value in logprobs.items()]
 
 
-def parse_first_logprobs(value: Any) -> FirstLogprobs | None:
-    """A first token's logprobs from the wire (None when absent); raise ``ValueError`` when malformed."""
+def parse_cache_facts(source: dict[str, Any]) -> tuple[str | None, FirstLogprobs | None]:
+    """The prompt digest and first-token logprobs in a Prefill answer or a ``migration_request`` (each None when
+    absent); raise ``ValueError`` when one is malformed."""
+    prompt = source.get(PROMPT_DIGEST_FIELD)
+    if prompt is not None and not is_prompt_digest(prompt):
+        raise ValueError(f'{PROMPT_DIGEST_FIELD} {_short(prompt)} is not a prompt digest')
+    return prompt, _parse_first_logprobs(source.get(FIRST_LOGPROBS_FIELD))
+
+
+def _parse_first_logprobs(value: Any) -> FirstLogprobs | None:
     if value is None:
         return None
     if not isinstance(value, list) or not 0 < len(value) <= MAX_FIRST_LOGPROBS:
         raise ValueError(f'{FIRST_LOGPROBS_FIELD} is not a list of 1 to {MAX_FIRST_LOGPROBS} pairs')
-    pairs = []
-    for pair in value:
-        if not (isinstance(pair, list) and len(pair) == 2 and is_index(pair[0])
-                and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
-                and math.isfinite(pair[1])):
-            raise ValueError(f'{FIRST_LOGPROBS_FIELD} holds {_short(pair)}, not a [token id, logprob] pair')
-        pairs.append((pair[0], float(pair[1])))
-    return tuple(pairs)
+    bad = next((pair for pair in value if not _is_logprob_pair(pair)), None)
+    if bad is not None:
+        raise ValueError(f'{FIRST_LOGPROBS_FIELD} holds {_short(bad)}, not a [token id, logprob] pair')
+    return {token: float(logprob) for token, logprob in value}
+
+
+def _is_logprob_pair(pair: Any) -> bool:
+    return isinstance(pair, list) and len(pair) == 2 and is_index(pair[0]) and _is_logprob(pair[1])
+
+
+def _is_logprob(value: Any) -> bool:
+    """A float that is a number (JSON carries logprobs as floats; an int is one of bounded size, never a bool)."""
+    if isinstance(value, float):
+        return not math.isnan(value)
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 2 ** 53
 
 
 def with_owner(body: dict[str, Any], owner: int | None, issue_ticket: TicketIssuer | None = None,
@@ -225,13 +240,10 @@ def parse_prefill_answer(body: Any) -> PrefillAnswer:
     token_ids = body.get('remote_token_ids')
     if not _is_int_list(token_ids) or not token_ids:
         raise PrefillAnswerError(f'the Prefill answer has no first token (remote_token_ids={token_ids!r})', owner)
-    prompt = body.get(PROMPT_DIGEST_FIELD)
-    if prompt is not None and not is_prompt_digest(prompt):  # a check the Decode could not make: fail closed
-        raise PrefillAnswerError(f'the Prefill answer has a malformed {PROMPT_DIGEST_FIELD}: {_short(prompt)}', owner)
-    try:
-        first_logprobs = parse_first_logprobs(body.get(FIRST_LOGPROBS_FIELD))
+    try:  # a malformed fact is a check the Decode could not make: fail closed
+        prompt, first_logprobs = parse_cache_facts(body)
     except ValueError as exc:
-        raise PrefillAnswerError(f'the Prefill answer has a malformed {exc}', owner) from None
+        raise PrefillAnswerError(f'the Prefill answer is unusable: {exc}', owner) from None
     return PrefillAnswer(owner=owner, block_ids=block_ids, first_token_id=token_ids[-1],
                          ticket=_ticket_or_none(body.get(CACHE_TICKET_FIELD)), prompt=prompt,
                          first_logprobs=first_logprobs)
@@ -365,11 +377,8 @@ def parse_migration_request(body: Any) -> MigrationOrder | None:
     prefill = migration.get('remote_engine_id')
     if not isinstance(prefill, str) or not 0 < len(prefill) <= MAX_NODE_URL_CHARS:
         raise MigrationRequestError(f'remote_engine_id {_short(prefill)} is not a node URL')
-    prompt = migration.get(PROMPT_DIGEST_FIELD)
-    if prompt is not None and not is_prompt_digest(prompt):
-        raise MigrationRequestError(f'{PROMPT_DIGEST_FIELD} {_short(prompt)} is not a prompt digest')
     try:
-        first_logprobs = parse_first_logprobs(migration.get(FIRST_LOGPROBS_FIELD))
+        prompt, first_logprobs = parse_cache_facts(migration)
     except ValueError as exc:
         raise MigrationRequestError(str(exc)) from None
     return MigrationOrder(prefill=prefill, owner=owner, block_ids=block_ids, dummy=False,

@@ -182,7 +182,7 @@ async def test_a_free_the_engine_cannot_answer_is_a_503_not_a_500(
     ('cache_first_token_logprobs', [[3, -0.1, 4]]), ('cache_first_token_logprobs', [[True, -0.1]]),
     ('cache_first_token_logprobs', [[3, 'x']]), ('cache_first_token_logprobs', [[-1, -0.1]]),
     ('cache_first_token_logprobs', [[3, -0.1]] * 2000), ('cache_first_token_logprobs', []),
-    ('cache_first_token_logprobs', [[3, float('nan')]]),
+    ('cache_first_token_logprobs', [[3, float('nan')]]), ('cache_first_token_logprobs', [[3, 10 ** 400]]),
 ], ids=lambda value: repr(value)[:30])
 async def test_hostile_cache_facts_in_a_migration_request_get_a_short_400_and_nothing_migrates(
         decode_node: httpx.AsyncClient, field: str, value: Any) -> None:

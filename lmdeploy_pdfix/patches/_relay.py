@@ -41,6 +41,7 @@ from lmdeploy_pdfix.protocol import (
     PROMPT_DIGEST_FIELD,
     PrefillAnswer,
     PrefillAnswerError,
+    first_logprobs_on_wire,
     is_finished_at_prefill,
     node_credentials,
     parse_prefill_answer,
@@ -217,8 +218,8 @@ async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
 
 async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
     """A Prefill and a Decode whose KV caches differ in layout never exchange one (D28): refused before any work."""
-    try:
-        prefill, decode = await asyncio.gather(_probe.kv_layout(relay.p_url), _probe.kv_layout(relay.d_url))
+    try:  # one after the other: both are remembered almost always, and a gather would cost two tasks a request
+        prefill, decode = await _probe.kv_layout(relay.p_url), await _probe.kv_layout(relay.d_url)
     except NodeCredentialsRefusedError:  # the Decode's own call will say so, with the client's credentials
         return None
     differences = layout_differences(prefill, decode)
@@ -398,7 +399,7 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
     if answer.prompt is not None:
         migration_request[PROMPT_DIGEST_FIELD] = answer.prompt
     if answer.first_logprobs is not None:
-        migration_request[FIRST_LOGPROBS_FIELD] = [list(pair) for pair in answer.first_logprobs]
+        migration_request[FIRST_LOGPROBS_FIELD] = first_logprobs_on_wire(answer.first_logprobs)
     return {**request_dict, 'migration_request': migration_request}
 
 

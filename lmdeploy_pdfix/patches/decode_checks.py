@@ -33,7 +33,14 @@ from typing import Any
 from lmdeploy_pdfix.patches._node_routes import answer_once_confirmed, checked_migration, forget_link, record_link
 from lmdeploy_pdfix.patches._routes import rewritten_answer, swapping_after_register
 from lmdeploy_pdfix.patching import Patch, attribute_problem, coroutine_problem, first_problem, signature_problem
-from lmdeploy_pdfix.protocol import CHAT_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD, MigrationOrder, prompt_digest
+from lmdeploy_pdfix.protocol import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    DUMMY_PREFILL_FIELD,
+    FirstLogprobs,
+    MigrationOrder,
+    prompt_digest,
+)
 
 ENDPOINT_MODULES = {
     'lmdeploy.serve.openai.chat_completions': CHAT_PATH,
@@ -106,12 +113,12 @@ def _reporting_first_logprobs(original):
         order = _migration.get()
         if order is None or order.first_logprobs is None:
             return outputs
-        return _with_first_logprobs(outputs, dict(order.first_logprobs))
+        return _with_first_logprobs(outputs, order.first_logprobs)
 
     return generate
 
 
-async def _with_first_logprobs(outputs: AsyncIterator[Any], first: dict[int, float]) -> AsyncIterator[Any]:
+async def _with_first_logprobs(outputs: AsyncIterator[Any], first: FirstLogprobs | None) -> AsyncIterator[Any]:
     """LMDeploy's outputs of a migrated request, the first of them carrying the first token's logprobs.
 
     The Decode engine emits the Prefill's first token without them, so the logprobs of the request's tokens
