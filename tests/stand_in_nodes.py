@@ -44,6 +44,8 @@ class PrefillBook:
     free_status: int = 200  # what /distserve/free_cache answers
     delay_s: float = 0.0  # how long the prefill takes; like a real engine it keeps the cache if the caller left
     free_delay_s: float = 0.0  # how long a free takes to arrive; a caller that gives up first frees nothing
+    free_delay_step_s: float = 0.0  # each free takes this much longer than the one asked before it
+    frees_asked: int = 0
     kv_layout: dict[str, Any] | None = None  # what its capability route says of its KV cache (None: nothing)
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
@@ -129,7 +131,9 @@ def prefill_app(book: PrefillBook) -> FastAPI:
         if book.free_status != 200:
             return JSONResponse({'status': 'FAILED'}, status_code=book.free_status)
         owner = (await request.json())['remote_session_id']
-        if book.free_delay_s and await _abandoned(request, book.free_delay_s):
+        delay_s = book.free_delay_s + book.free_delay_step_s * book.frees_asked
+        book.frees_asked += 1
+        if delay_s and await _abandoned(request, delay_s):
             return JSONResponse({'status': 'FAILED'}, status_code=499)
         book.free(owner)
         return {'status': 'SUCCESS'}

@@ -239,6 +239,8 @@ async def test_a_streamed_chat_with_n_interleaves_the_choices_and_leaves_nothing
 async def test_a_chat_with_n_whose_decode_fails_answers_the_failure_and_releases_every_cache(
         distserve: Cluster) -> None:
     distserve.decode.answer = 'error'
+    distserve.prefill.delay_s = 0.1  # the choices reach the Decode together
+    distserve.prefill.free_delay_step_s = 0.2  # the choices cancelled by the first failure are still freeing
     response = await distserve.post('/v1/chat/completions', {**CHAT, 'n': 3})
     assert response.status_code == 500 and 'decode engine failed' in response.json()['message']
     assert len(distserve.prefill.requests) == 3 and distserve.prefill.retained == set()

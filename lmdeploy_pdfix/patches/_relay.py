@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -49,11 +49,33 @@ from lmdeploy_pdfix.protocol import (
 )
 from lmdeploy_pdfix.shared_runs import TooManyWaiting
 
+T = TypeVar('T')
+
 FANOUT_MODULE = 'lmdeploy.serve.openai.chat_completions.fanout'  # LMDeploy's collation of n choices
 PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
 PROBE_TTL_S = {True: 60.0, False: 5.0}
+
+
+async def to_the_end(work: Awaitable[T]) -> T:
+    """``work``'s result; a cancel that arrives meanwhile is raised only once ``work`` has ended.
+
+    ``asyncio.shield`` alone lets the cancelled caller return at once while ``work`` goes on unseen: LMDeploy's
+    fan-out then answered a failed choice before the choices it cancelled had freed their caches.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # raised below, by task.result()
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
 
 
 async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause, reason: str) -> bool:
@@ -151,7 +173,7 @@ class _Relay:
         """
         record, self.record = self.record, None
         if record is not None:
-            await asyncio.shield(release(self.ledger, record, ReleaseCause.COMPENSATED, reason))
+            await to_the_end(release(self.ledger, record, ReleaseCause.COMPENSATED, reason))
 
     def migrated(self) -> None:
         """The Decode node took the cache over (it frees the Prefill session itself)."""
@@ -329,7 +351,7 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer
     except asyncio.CancelledError:
         # The client left while the Prefill node works: the cache its answer will name is nobody's to migrate.
         # Cancelling the call would leave it preserved until the orphan TTL; wait for the answer and release it.
-        await asyncio.shield(_release_when_answered(relay, call))
+        await to_the_end(_release_when_answered(relay, call))
         raise
     except asyncio.TimeoutError:
         return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
@@ -468,8 +490,8 @@ class _DecodeStream(StreamingResponse):
         if self._settled:
             return
         self._settled = True
-        # shielded: a client leaving at the last event cancels the stream task while it settles
-        await asyncio.shield(self._close_and_settle())
+        # a client leaving at the last event cancels the stream task while it settles
+        await to_the_end(self._close_and_settle())
 
     async def _close_and_settle(self) -> None:
         # a stream read to its end is back in the pool already; one cut short is closed, so its node sees the
