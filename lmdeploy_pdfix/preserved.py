@@ -6,7 +6,8 @@ does and the orphan TTL reclaims it. The book knows which sessions those are, gi
 claim a definitive answer, and counts each outcome for the node audit. No patching here.
 
 A Decode's claim is a lease: the orphan TTL waits until the lease ends, so a migration that sat in a queue
-never copies blocks already handed to other work. A free still releases at once: the proxy frees only once
+never copies blocks already handed to other work. A claim is exclusive: one per cache, so one Decode request
+migrates it and no claim extends a hold past one lease. A free still releases at once: the proxy frees only once
 its Decode request has ended (and its gc leaves migrating requests alone), and a Decode frees once its
 migration has ended, copied or failed.
 """
@@ -164,6 +165,10 @@ class PreservedBook:
             if cache.block_ids != block_ids:
                 # the caller learns that its block ids are wrong, not which are right
                 return Answer(Verdict.REFUSED, f'block ids do not match preserved cache {owner}')
+            if cache.claimed:
+                # exclusive: a cache is migrated once, by one Decode request; a second claim would copy blocks
+                # the first migration's free hands back, and re-claiming would hold the cache forever
+                return Answer(Verdict.REFUSED, f'preserved cache {owner} is already claimed by a migration')
             cache.claimed = True
             cache.held_until = max(cache.held_until, self._clock() + self.claim_hold_s)
             return Answer(Verdict.CLAIMED, f'preserved cache {owner} confirmed')

@@ -7,6 +7,7 @@ here before it is used (:func:`parse_prefill_answer`, :func:`parse_migration_req
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import re
@@ -37,6 +38,7 @@ CACHE_TICKET_FIELD = 'cache_ticket'
 # prompt is not the one it renders and tokenizes itself (a chat template or tokenizer skew between the nodes).
 PROMPT_DIGEST_FIELD = 'cache_prompt_digest'
 _PROMPT_DIGEST = re.compile(r'[0-9]{1,9}-[0-9a-f]{32}')
+_KEY_ID = re.compile(r'[0-9a-f]{1,32}')  # a ticket key's id, as tickets name it
 
 # The logprobs the Prefill's sampler computed for the first token, as [[token id, logprob], ...] (the sampled
 # token and the top ones): the Decode node reports them with that token, as a Hybrid node does.
@@ -73,6 +75,15 @@ CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and the Deco
                     '(their --api-keys).')
 
 
+def parse_json(text: str | bytes) -> Any:
+    """A peer's JSON; raise ValueError for anything that is not (json's own RecursionError on deep nesting too,
+    which would otherwise end the handler in a 500)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError('JSON nested too deeply') from None
+
+
 def bearer(key: str | None) -> dict[str, str]:
     """The headers that present ``key`` to LMDeploy's ``--api-keys`` check (none without a key)."""
     return {AUTHORIZATION: f'Bearer {key}'} if key else {}
@@ -81,6 +92,16 @@ def bearer(key: str | None) -> dict[str, str]:
 def node_credentials() -> dict[str, str]:
     """Headers of the calls pdfix makes to a node on its own behalf: probe, link set-up, free, claim."""
     return bearer(settings.NODE_API_KEY.value())
+
+
+def presents_node_key(headers: Any) -> bool:
+    """Whether a request's ``Authorization`` is the operator's node key (never, where this node has none)."""
+    key = settings.NODE_API_KEY.value()
+    scheme, _, presented = (headers.get(AUTHORIZATION) or '').partition(' ')
+    if not key or scheme.lower() != 'bearer':
+        return False
+    # digests: compare_digest refuses non-ASCII text, and equal lengths leak nothing of the key
+    return hmac.compare_digest(hashlib.sha256(presented.encode()).digest(), hashlib.sha256(key.encode()).digest())
 
 
 def forwarded_credentials(client_headers: Any) -> dict[str, str]:
@@ -279,7 +300,7 @@ def parse_ticket_key(body: Any) -> TicketKey:
     if not isinstance(body, dict) or not isinstance(body.get('key_id'), str) or not isinstance(body.get('secret'), str):
         raise ValueError('not a ticket key')
     secret = bytes.fromhex(body['secret'])
-    if len(secret) < 16 or not 0 < len(body['key_id']) <= 32:
+    if len(secret) < 16 or not _KEY_ID.fullmatch(body['key_id']):
         raise ValueError('not a ticket key')
     return TicketKey(key_id=body['key_id'], secret=secret)
 
@@ -369,6 +390,9 @@ def parse_migration_request(body: Any) -> MigrationOrder | None:
     if not isinstance(dummy, bool):
         raise MigrationRequestError('is_dummy_prefill must be true or false')
     if dummy:
+        if not settings.ALLOW_DUMMY_PREFILL.value():  # blocks no Prefill filled: another request's leftovers
+            raise MigrationRequestError(f'is_dummy_prefill is refused on this Decode node (it would decode from KV '
+                                        f'blocks no Prefill filled; {settings.ALLOW_DUMMY_PREFILL.name}=1 allows it)')
         return MigrationOrder(prefill='', owner=0, block_ids=[], dummy=True)
     owner, block_ids = migration.get('remote_session_id'), migration.get('remote_block_ids')
     problem = migration_request_problem(owner, block_ids)

@@ -66,10 +66,11 @@ HEALTH_TIMEOUT_S = Number(
          "again once it answers (the heartbeat's period stays LMDeploy's `LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION`, "
          '90 s)')
 ORPHAN_TTL_S = Number(
-    'LMDEPLOY_PDFIX_ORPHAN_TTL_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill',
-    patches=('engine_sessions',),
+    'LMDEPLOY_PDFIX_ORPHAN_TTL_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill and Decode',
+    patches=('engine_sessions', 'decode_migration_checks'),
     help='a preserved Prefill cache no Decode node claimed, and nobody freed, this long after its answer is '
-         'reclaimed; a claimed one is held for its lease instead (`LMDEPLOY_PDFIX_CLAIM_LEASE_S`)')
+         'reclaimed; a claimed one is held for its lease instead (`LMDEPLOY_PDFIX_CLAIM_LEASE_S`). A Decode node '
+         'refuses a cache ticket that claims to live longer (a minute of clock skew allowed): set it alike on both')
 CLAIM_LEASE_S = Number(
     'LMDEPLOY_PDFIX_CLAIM_LEASE_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill and Decode',
     patches=('engine_sessions', 'migration_faults'),
@@ -157,6 +158,27 @@ NODE_API_KEY = Text(
          "set-up, frees, the Decode's claims) send it as a Bearer token; requests relayed for a client send the "
          "client's own `Authorization`, as LMDeploy's Hybrid proxy does (this key only when the client sent none)")
 TEXTS: tuple[Text, ...] = (NODE_API_KEY,)
+
+
+class Flag:
+    """An on/off switch, off unless set to a true value (1, true, yes, on)."""
+
+    __slots__ = ('help', 'name', 'node')
+
+    def __init__(self, name: str, *, node: str, help: str) -> None:
+        self.name, self.node, self.help = name, node, help
+
+    def value(self) -> bool:
+        return is_truthy(os.environ.get(self.name))
+
+
+ALLOW_DUMMY_PREFILL = Flag(
+    'LMDEPLOY_PDFIX_ALLOW_DUMMY_PREFILL', node='Decode',
+    help="accept a `migration_request` with `is_dummy_prefill: true` (a benchmark's: the Decode decodes from KV "
+         "blocks no Prefill filled, so the text is meaningless and may be read from another request's leftovers; "
+         "answers are marked `dummy_prefill`). Off, such a request is refused with 400: LMDeploy's proxy never "
+         "sends one")
+FLAGS: tuple[Flag, ...] = (ALLOW_DUMMY_PREFILL,)
 
 
 def is_truthy(value: str | None) -> bool:

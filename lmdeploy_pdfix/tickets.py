@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import NamedTuple
 _VERSION = 'v1'
 _MAC_BYTES = 16
 MAX_TICKET_CHARS = 128
+# key id, expiry (ASCII digits: str.isdigit() also takes '²', which int() refuses) and MAC (ASCII hex)
+_TICKET = re.compile(rf'{_VERSION}\.([0-9a-f]{{1,32}})\.([0-9]{{1,12}})\.([0-9a-f]{{{2 * _MAC_BYTES}}})')
 
 
 class TicketError(ValueError):
@@ -59,9 +62,9 @@ class TicketKey:
         expiry = int(expires_at)
         return f'{_VERSION}.{self.key_id}.{expiry}.{self._mac(expiry, owner, block_ids)}'
 
-    def verify(self, ticket: str, owner: int, block_ids: Sequence[int], now: float) -> Voucher:
-        """``ticket``'s voucher if it vouches for ``owner`` holding exactly ``block_ids``; else raise
-        :class:`TicketError`."""
+    def verify(self, ticket: str, owner: int, block_ids: Sequence[int], now: float, longest_s: float) -> Voucher:
+        """``ticket``'s voucher if it vouches for ``owner`` holding exactly ``block_ids`` and expires within
+        ``longest_s`` of ``now`` (no Prefill issues a longer one); else raise :class:`TicketError`."""
         key_id, expiry, mac = _parts(ticket)
         if key_id != self.key_id:
             raise StaleTicketError('cache_ticket was issued by an earlier incarnation of the Prefill node')
@@ -69,6 +72,8 @@ class TicketKey:
             raise TicketError('cache_ticket does not vouch for this owner and these block ids')
         if now > expiry:
             raise ExpiredTicketError('cache_ticket has expired (the orphan TTL of its cache has passed)')
+        if expiry > now + longest_s:
+            raise TicketError('cache_ticket expires later than any Prefill node issues one')
         return Voucher(bytes.fromhex(mac), expiry)
 
     def _mac(self, expiry: int, owner: int, block_ids: Sequence[int]) -> str:
@@ -83,7 +88,7 @@ def ticket_key_id(ticket: str) -> str:
 
 def _parts(ticket: str) -> tuple[str, int, str]:
     """A ticket's key id, expiry and MAC; raise :class:`TicketError` if it is not a ticket."""
-    parts = ticket.split('.')
-    if len(ticket) > MAX_TICKET_CHARS or len(parts) != 4 or parts[0] != _VERSION or not parts[2].isdigit():
+    parts = _TICKET.fullmatch(ticket) if len(ticket) <= MAX_TICKET_CHARS else None
+    if parts is None:
         raise TicketError('cache_ticket is not a ticket')
     return parts[1], int(parts[2]), parts[3]

@@ -23,6 +23,7 @@ def switch_rows() -> list[str]:
     rows += [f'| `{setting.name}` ({setting.node}, default {setting.default:g}) | {setting.help} |'
              for setting in settings.NUMBERS]
     rows += [f'| `{setting.name}` ({setting.node}, unset by default) | {setting.help} |' for setting in settings.TEXTS]
+    rows += [f'| `{setting.name}` ({setting.node}, off by default) | {setting.help} |' for setting in settings.FLAGS]
     return rows
 
 

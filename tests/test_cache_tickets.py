@@ -26,6 +26,7 @@ from lmdeploy_pdfix.protocol import (
     CLAIM_PATH,
     COMPLETIONS_PATH,
     TICKET_KEY_PATH,
+    bearer,
     parse_ticket_key,
     ticket_key_answer,
 )
@@ -37,6 +38,8 @@ from tests.test_serving_owner import MODEL, FakePrefillEngine
 OWNER, BLOCKS = 7, [1, 2]
 THIS_DECODE = 'http://127.0.0.1:9001'  # this Decode node, as its link to the Prefill names it
 TICKET_LIFETIME_S = 600.0
+LONGEST_S = 660.0  # the longest ticket lifetime a Decode accepts
+NODE_KEY = 'node-key-of-the-operator'
 
 
 def later() -> float:
@@ -47,17 +50,23 @@ def later() -> float:
 def test_a_ticket_vouches_for_exactly_its_owner_and_blocks_until_it_expires() -> None:
     key = TicketKey.generate()
     ticket = key.issue(OWNER, BLOCKS, expires_at=1000.0)
-    key.verify(ticket, OWNER, BLOCKS, now=999.0)
+    key.verify(ticket, OWNER, BLOCKS, now=999.0, longest_s=LONGEST_S)
     for owner, blocks in ((OWNER + 1, BLOCKS), (OWNER, [1, 3]), (OWNER, [1, 2, 3]), (OWNER, [2, 1])):
         with pytest.raises(TicketError, match='does not vouch'):
-            key.verify(ticket, owner, blocks, now=999.0)
+            key.verify(ticket, owner, blocks, now=999.0, longest_s=LONGEST_S)
     with pytest.raises(ExpiredTicketError):
-        key.verify(ticket, OWNER, BLOCKS, now=1001.0)
+        key.verify(ticket, OWNER, BLOCKS, now=1001.0, longest_s=LONGEST_S)
     with pytest.raises(StaleTicketError):  # another incarnation of the Prefill node
-        TicketKey.generate().verify(ticket, OWNER, BLOCKS, now=999.0)
+        TicketKey.generate().verify(ticket, OWNER, BLOCKS, now=999.0, longest_s=LONGEST_S)
     forged = ticket.rsplit('.', 1)[0] + '.' + '0' * 32
     with pytest.raises(TicketError, match='does not vouch'):
-        key.verify(forged, OWNER, BLOCKS, now=999.0)
+        key.verify(forged, OWNER, BLOCKS, now=999.0, longest_s=LONGEST_S)
+
+
+def test_a_ticket_that_expires_later_than_any_prefill_issues_one_is_refused() -> None:
+    key = TicketKey.generate()
+    with pytest.raises(TicketError, match='later than any Prefill'):
+        key.verify(key.issue(OWNER, BLOCKS, expires_at=3600.0), OWNER, BLOCKS, now=0.0, longest_s=LONGEST_S)
 
 
 def test_a_decode_node_remembers_a_used_ticket_until_it_expires_and_no_longer() -> None:
@@ -66,7 +75,7 @@ def test_a_decode_node_remembers_a_used_ticket_until_it_expires_and_no_longer() 
     from lmdeploy_pdfix.patches._node_routes import TicketKeys
 
     keys, key = TicketKeys(), TicketKey.generate()
-    early, late = (key.verify(key.issue(OWNER, [block], expiry), OWNER, [block], now=0.0)
+    early, late = (key.verify(key.issue(OWNER, [block], expiry), OWNER, [block], now=0.0, longest_s=LONGEST_S)
                    for block, expiry in ((1, 100.0), (2, 200.0)))
     assert keys.spend(early, now=0.0) and keys.spend(late, now=0.0)
     assert not keys.spend(early, now=99.0) and not keys.spend(late, now=99.0)
@@ -82,6 +91,7 @@ class StandInPrefill:
         self.claims: list[dict[str, Any]] = []
         self.key_requests = 0
         self.verdict = ('claimed', 200)
+        self.claim_answer: tuple[Any, int] | None = None
         self.answer_claims = threading.Event()
 
     def app(self) -> FastAPI:
@@ -97,6 +107,8 @@ class StandInPrefill:
             self.claims.append(await request.json())
             await asyncio.to_thread(self.answer_claims.wait, 10)
             status, code = self.verdict
+            if self.claim_answer is not None:  # not a verdict of pdfix
+                return JSONResponse(*self.claim_answer)
             return JSONResponse({'status': status, 'detail': f'preserved cache {status}'}, code)
 
         return app
@@ -247,7 +259,8 @@ async def test_a_ticket_used_once_is_refused_the_second_time(
 @pytest.mark.regression
 @pytest.mark.parametrize('path', [COMPLETIONS_PATH, '/v1/chat/completions'])
 async def test_a_prefill_answer_carries_a_ticket_its_node_key_verifies_for_that_cache(
-        apply_patch: Callable[[str], ModuleType], path: str) -> None:
+        apply_patch: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
     for unit in ('engine_sessions', 'node_cache_routes', 'link_routes'):
         apply_patch(unit)
     api_server = apply_patch('serving_cache_owner')
@@ -255,8 +268,9 @@ async def test_a_prefill_answer_carries_a_ticket_its_node_key_verifies_for_that_
             **({'prompt': 'hi'} if path == COMPLETIONS_PATH else {'messages': [{'role': 'user', 'content': 'hi'}]})}
     async with await node_client(api_server, FakePrefillEngine()) as node:
         answer = (await node.post(path, json=body)).json()
-        key = parse_ticket_key((await node.get(TICKET_KEY_PATH)).json())
-    key.verify(answer[CACHE_TICKET_FIELD], answer['cache_session_id'], answer['cache_block_ids'], time.time())
+        key = parse_ticket_key((await node.get(TICKET_KEY_PATH, headers=bearer(NODE_KEY))).json())
+    key.verify(answer[CACHE_TICKET_FIELD], answer['cache_session_id'], answer['cache_block_ids'], time.time(),
+               longest_s=TICKET_LIFETIME_S)
 
 
 HOSTILE_TICKETS = {
@@ -268,6 +282,9 @@ HOSTILE_TICKETS = {
     'a 100,000-character string': 'v1.' + 'a' * 100_000,
     'a 100-digit expiry': 'v1.a.' + '9' * 100 + '.b',
     'an empty key id': 'v1..1.' + '0' * 32,
+    'an expiry of superscript digits': 'v1.ab.\u00b9\u00b2\u00b3.' + '0' * 32,
+    'a MAC that is not ASCII': 'v1.ab.1.' + '\u00e9' * 32,
+    'a key id of Unicode digits': 'v1.\u0661\u0662.1.' + '0' * 32,
 }
 
 
@@ -280,3 +297,52 @@ async def test_a_hostile_ticket_gets_a_short_4xx_and_never_reaches_the_engine_or
     response = await client.post(COMPLETIONS_PATH, json=vouched(url, ticket))
     assert 400 <= response.status_code < 500 and len(response.text) < 400, response.text
     assert not engine.started.is_set() and node.claims == []
+
+
+@pytest.mark.parametrize('node_key, presented', [(None, None), (None, NODE_KEY), (NODE_KEY, None),
+                                                 (NODE_KEY, 'another key'), (NODE_KEY, '\u00e9' * 8)],
+                         ids=['no key anywhere', 'a key this node lacks', 'no key presented', 'a wrong key',
+                              'a key that is not ASCII'])
+async def test_a_prefill_gives_its_ticket_key_only_to_a_caller_presenting_the_node_key(
+        apply_patch: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch, node_key: str | None,
+        presented: str | None) -> None:
+    # whoever holds the ticket key forges tickets: before, any caller of the node port got it
+    if node_key is not None:
+        monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', node_key)
+    for unit in ('engine_sessions', 'node_cache_routes', 'link_routes'):
+        apply_patch(unit)
+    api_server = apply_patch('serving_cache_owner')
+    async with await node_client(api_server, FakePrefillEngine()) as node:
+        # as bytes: a header that is not ASCII is sent as its UTF-8
+        refused = await node.get(TICKET_KEY_PATH, headers={'Authorization': f'Bearer {presented}'.encode()}
+                                 if presented else {})
+        monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
+        given = await node.get(TICKET_KEY_PATH, headers=bearer(NODE_KEY))
+    assert refused.status_code == 403 and 'secret' not in refused.text
+    assert 'LMDEPLOY_PDFIX_NODE_API_KEY' in refused.json()['detail']
+    assert given.status_code == 200 and parse_ticket_key(given.json())
+
+
+NOT_A_VERDICT = {
+    'a 404 of a URL that is no claim route': ({'detail': 'Not Found'}, 404),
+    'a 405': ({'detail': 'Method Not Allowed'}, 405),
+    'a 200 without a verdict': ({'ok': True}, 200),
+    'a 200 naming another verdict': ({'status': 'refused'}, 200),
+    'a 404 naming claimed': ({'status': 'claimed'}, 404),
+    'a 401': ({'error': 'Unauthorized'}, 401),
+}
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize('answer', NOT_A_VERDICT.values(), ids=NOT_A_VERDICT.keys())
+async def test_a_claim_not_answered_with_a_pdfix_verdict_refuses_the_migration_before_the_engine(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine],
+        answer: tuple[Any, int]) -> None:
+    # fails closed: a Prefill alias (its URL plus a path) answered 404, read as "a Prefill without pdfix", and the
+    # Decode migrated another request's blocks
+    (node, url), (client, engine) = prefill, decode
+    node.claim_answer = answer
+    answering_at_once(node, engine)
+    response = await client.post(COMPLETIONS_PATH, json=migrating(remote_engine_id=url))
+    assert response.status_code == 502 and 'did not confirm the cache' in response.json()['message']
+    assert not engine.started.is_set() and len(node.claims) == 1

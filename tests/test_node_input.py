@@ -81,7 +81,16 @@ async def test_a_dummy_prefill_flag_that_is_not_a_boolean_is_refused_before_anyt
 
 
 @pytest.mark.regression
-async def test_a_dummy_prefill_answer_is_marked(decode_node: httpx.AsyncClient) -> None:
+async def test_a_dummy_prefill_is_refused_unless_the_deployment_allows_it(decode_node: httpx.AsyncClient) -> None:
+    # it decodes from KV blocks no Prefill filled: right after another request, that request's continuation
+    response = await decode_node.post(COMPLETIONS_PATH, json=migrating(is_dummy_prefill=True))
+    assert response.status_code == 400 and 'LMDEPLOY_PDFIX_ALLOW_DUMMY_PREFILL=1' in response.json()['message']
+
+
+@pytest.mark.regression
+async def test_a_dummy_prefill_the_deployment_allows_is_marked(decode_node: httpx.AsyncClient,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_PDFIX_ALLOW_DUMMY_PREFILL', '1')
     response = await decode_node.post(COMPLETIONS_PATH, json=migrating(is_dummy_prefill=True))
     assert response.status_code == 200 and response.json()[DUMMY_PREFILL_FIELD] is True
 
@@ -97,7 +106,8 @@ async def test_one_migration_request_serves_one_prompt_and_one_sequence(decode_n
 
 @pytest.mark.regression
 async def test_a_migration_request_lmdeploy_cannot_parse_is_a_400_naming_the_field(
-        decode_node: httpx.AsyncClient) -> None:
+        decode_node: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_PDFIX_ALLOW_DUMMY_PREFILL', '1')  # no Prefill link needed
     migration = migrating(is_dummy_prefill=True)
     del migration['migration_request']['protocol']
     response = await decode_node.post(COMPLETIONS_PATH, json=migration)

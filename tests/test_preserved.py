@@ -103,3 +103,13 @@ def test_a_cache_claimed_before_its_decode_freed_it_is_not_confirmed_again() -> 
     assert book.claim(OWNER, [4, 5]).verdict is Verdict.CLAIMED
     book.release(OWNER, ReleaseCause.DECODE_FREED, session_exists=True)
     assert book.claim(OWNER, [4, 5]).verdict is Verdict.NOT_FOUND
+
+
+def test_a_cache_is_claimed_once_and_a_second_claim_neither_confirms_nor_extends_its_hold() -> None:
+    book, clock = book_with_one_cache(ttl=10.0, claim_hold=100.0)
+    assert book.claim(OWNER, [4, 5], DECODE).verdict is Verdict.CLAIMED
+    clock.now += 90.0
+    again = book.claim(OWNER, [4, 5], DECODE)
+    assert again.verdict is Verdict.REFUSED and 'already claimed' in again.detail
+    clock.now += 11.0
+    assert book.expired() == [OWNER]  # the first lease alone held it

@@ -361,6 +361,18 @@ async def test_a_prompt_list_above_the_cap_is_a_400_before_any_prefill_work(dist
 
 
 @pytest.mark.regression
+@pytest.mark.parametrize('prompt', [[['p'] * 70], [[1, 2, 3]], [1, 2, 3], ['p', {'role': 'user'}]],
+                         ids=['a nested list of prompts', 'a list of token-id lists', 'a list of token ids',
+                              'a list with an object'])
+async def test_a_prompt_list_whose_prompts_are_not_strings_is_a_400_before_any_prefill_work(
+        distserve: Cluster, prompt: list) -> None:
+    # a nested list passed the cap as one prompt, and its Prefill kept a cache per inner prompt, owned by nobody
+    response = await distserve.post('/v1/completions', {**COMPLETION, 'prompt': prompt})
+    assert response.status_code == 400 and 'must be a string' in response.json()['message']
+    assert distserve.prefill.requests == []
+
+
+@pytest.mark.regression
 async def test_a_long_prompt_list_is_relayed_a_few_prompts_at_a_time(distserve: Cluster) -> None:
     distserve.prefill.delay_s = 0.05
     response = await distserve.post('/v1/completions', {**COMPLETION, 'prompt': [str(i) for i in range(40)]})

@@ -227,6 +227,17 @@ async def test_only_a_prefill_node_keeps_a_cache_a_client_asked_to_preserve(pref
     assert prefill_server.engine.preserved == [True, True, False, False, False, False]
 
 
+@pytest.mark.regression
+@pytest.mark.parametrize('prompt', [['a', 'b'], ['p'] * 70, []], ids=['two prompts', '70 prompts', 'none'])
+async def test_a_prefill_node_keeps_one_cache_per_request_and_refuses_a_prompt_list_to_preserve(
+        prefill_server: PrefillServer, prompt: list) -> None:
+    # each prompt of a list kept a preserved cache that no answer named: nobody could free it before the orphan TTL
+    response = await prefill_server.client.post('/v1/completions', json=completion_request(prompt=prompt,
+                                                                                           **WITH_CACHE))
+    assert response.status_code == 400 and 'keeps one cache' in response.json()['message']
+    assert prefill_server.engine.driven_sessions == []
+
+
 # --- the link routes never block the api_server's event loop (issue 9) ---------------------------------------
 
 ENGINE_BUSY_S = 1.0

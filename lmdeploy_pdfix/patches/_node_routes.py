@@ -9,7 +9,8 @@ The book of preserved caches lives in the engine process; these handlers reach i
 - ``POST /distserve/pdfix/claim`` lets a Decode node confirm that the owner still holds exactly those blocks;
   a confirmed cache is safe from the orphan TTL for the claim's lease.
 - ``GET /distserve/pdfix/ticket_key``: this Prefill node's ticket key (:mod:`lmdeploy_pdfix.tickets`), for the
-  Decode nodes that check the tickets its answers carry.
+  Decode nodes that check the tickets its answers carry; only to a caller presenting the node key (whoever holds
+  the ticket key can forge tickets), so without a node key the Decodes confirm every cache by a claim first.
 - A Decode node checks every ``migration_request`` (D5, #4965) before LMDeploy sees it: well formed, from a
   Prefill node it is linked to, and either vouched for by the Prefill's ticket (then the claim runs while the
   engine migrates, and the answer waits for it) or confirmed by a claim first. A failed check is a 4xx naming
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_owner_id
 from lmdeploy_pdfix.patches._client import node_client
-from lmdeploy_pdfix.patching import PatchState, installation, warn, warn_once
+from lmdeploy_pdfix.patching import PatchState, installation, warn
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict, remember_recent
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
@@ -52,8 +52,10 @@ from lmdeploy_pdfix.protocol import (
     credentials_hint,
     node_credentials,
     parse_claim,
+    parse_json,
     parse_migration_request,
     parse_ticket_key,
+    presents_node_key,
     ticket_key_answer,
 )
 from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey, Voucher
@@ -64,6 +66,7 @@ TICKET_KEY_TIMEOUT_S = 5.0
 NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
 SPENT_TICKETS_REMEMBERED = 65536  # a cap: used tickets are forgotten as they expire; about 11 MiB when full
 ORPHAN_TTL_S = settings.ORPHAN_TTL_S.value()  # read once, as the engine's book reads it at its start
+TICKET_CLOCK_SKEW_S = 60.0  # a Prefill's clock may run this far ahead of its Decode's
 _CLAIM_STATUS = {
     Verdict.CLAIMED.value: HTTPStatus.OK,
     Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
@@ -128,7 +131,7 @@ def add_node_routes(router: Any, server_context: Any) -> None:
     @router.post(CLAIM_PATH)
     async def pdfix_claim(raw_request: Request) -> JSONResponse:
         try:
-            claim = parse_claim(await raw_request.json())
+            claim = parse_claim(parse_json(await raw_request.body()))
         except ValueError as exc:  # not JSON (json's error) or not a claim (ours)
             detail = str(exc) if isinstance(exc, MigrationRequestError) else 'the body is not JSON'
             return JSONResponse({'status': Verdict.REFUSED.value, 'detail': detail}, HTTPStatus.BAD_REQUEST)
@@ -137,8 +140,12 @@ def add_node_routes(router: Any, server_context: Any) -> None:
     NODE.server_context = server_context
 
     @router.get(TICKET_KEY_PATH)
-    async def pdfix_ticket_key() -> dict[str, str]:
-        return ticket_key_answer(NODE.ticket_key)
+    async def pdfix_ticket_key(raw_request: Request) -> JSONResponse:
+        if not presents_node_key(raw_request.headers):  # whoever has the key forges tickets
+            return JSONResponse({'detail': f'the ticket key is given only to nodes presenting '
+                                           f'{settings.NODE_API_KEY.name}; without it a Decode node confirms '
+                                           'each cache by a claim first'}, HTTPStatus.FORBIDDEN)
+        return JSONResponse(ticket_key_answer(NODE.ticket_key))
 
     @router.get(AUDIT_PATH)
     async def pdfix_audit() -> dict[str, Any]:
@@ -348,7 +355,8 @@ async def _vouched_for(order: MigrationOrder) -> bool:
             return False
         try:
             now = time.time()
-            if not TICKET_KEYS.spend(key.verify(order.ticket, order.owner, order.block_ids, now), now):
+            voucher = key.verify(order.ticket, order.owner, order.block_ids, now, ORPHAN_TTL_S + TICKET_CLOCK_SKEW_S)
+            if not TICKET_KEYS.spend(voucher, now):
                 raise _TicketRefused(HTTPStatus.CONFLICT, 'cache_ticket was already used: a cache migrates once')
             return True
         except StaleTicketError as exc:
@@ -390,17 +398,20 @@ async def _claim(prefill: str, claim: Claim) -> tuple[int, str | None]:
             status, text = response.status, await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'
-    if status == HTTPStatus.OK:
-        return status, None
     body: Any = None
     with contextlib.suppress(ValueError):
-        body = json.loads(text)
-    if status in (HTTPStatus.NOT_FOUND, HTTPStatus.METHOD_NOT_ALLOWED) and (
-            not isinstance(body, dict) or 'status' not in body):  # no claim route: a Prefill without pdfix
-        warn_once(f'unconfirmed {prefill}', f'Prefill node {prefill} cannot confirm caches (HTTP {status} on '
-                  f'{CLAIM_PATH}); migrating without confirmation. Enable lmdeploy-pdfix there.')
+        body = parse_json(text)
+    verdict = body.get('status') if isinstance(body, dict) else None
+    if verdict not in _CLAIM_STATUS or _CLAIM_STATUS[verdict] != status:
+        # fails closed: a 404 without a verdict is no Prefill with pdfix (or a URL that is not the node itself),
+        # a 401 is refused credentials; never migrate what nobody confirmed
+        return (HTTPStatus.BAD_GATEWAY, f'Prefill node {prefill} did not confirm the cache (HTTP {status}, no '
+                f'verdict of lmdeploy-pdfix){credentials_hint(status)}')
+    if verdict == Verdict.CLAIMED.value:
         return status, None
-    if not isinstance(body, dict) or 'status' not in body:  # e.g. a 401: never migrate what nobody confirmed
-        return (HTTPStatus.BAD_GATEWAY,
-                f'Prefill node {prefill} did not confirm the cache (HTTP {status}){credentials_hint(status)}')
-    return status, f'Prefill node {prefill}: {body.get("detail", body["status"])}'
+    return status, f'Prefill node {prefill}: {_short_detail(body.get("detail"), verdict)}'
+
+
+def _short_detail(detail: Any, verdict: str) -> str:
+    """A peer's detail, passed on only as a short string (its verdict otherwise)."""
+    return detail[:200] if isinstance(detail, str) and detail else verdict

@@ -293,6 +293,9 @@ def _unsupported(path: str, request_dict: dict[str, Any]) -> str | None:
             return 'n > 1 cannot be used with an explicit session_id.'  # as a Hybrid node answers it
     if _is_batch(request_dict) and not request_dict['prompt']:
         return 'The prompt list is empty.'
+    if _is_batch(request_dict) and not all(isinstance(prompt, str) for prompt in request_dict['prompt']):
+        # a nested list passed the bound below as one prompt while its Prefill kept a cache for each inner one
+        return 'Each prompt of a prompt list must be a string.'
     if _is_batch(request_dict) and len(request_dict['prompt']) > settings.MAX_PROMPTS.value():
         return (f'At most {settings.MAX_PROMPTS.value()} prompts per request with the DistServe serving strategy '
                 f'({settings.MAX_PROMPTS.name}).')

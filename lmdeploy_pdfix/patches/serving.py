@@ -64,6 +64,7 @@ ENDPOINT_MODULES = {
 }
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
 ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
+ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
 
 
 @dataclass
@@ -121,6 +122,10 @@ def _reporting_owner(path: str, server_context):
             if raw_request is not None and not _is_prefill(server_context):
                 # LMDeploy reads this very dict (Starlette caches the body): only a Prefill keeps caches for others
                 (await raw_request.json()).pop('preserve_cache', None)
+            elif raw_request is not None and _keeps_several_caches(await raw_request.json()):
+                return _error_response(400, 'A preserve_cache request keeps one cache: send one prompt (a prompt '
+                                            'list kept a cache per prompt that no answer named, until the '
+                                            'orphan TTL).')
             trace = _RequestTrace()
             token = _trace.set(trace)
             try:
@@ -141,6 +146,15 @@ def _reporting_owner(path: str, server_context):
         return endpoint_reporting_owner
 
     return make_endpoint
+
+
+def _keeps_several_caches(body: Any) -> bool:
+    prompt = body.get('prompt') if isinstance(body, dict) else None
+    return bool(body.get('preserve_cache')) and isinstance(prompt, list) and len(prompt) != 1
+
+
+def _error_response(status: int, message: str) -> Any:
+    return importlib.import_module(ERRORS_MODULE).create_error_response(status, message)
 
 
 def _is_prefill(server_context: Any) -> bool:
@@ -213,6 +227,8 @@ class ServingCacheOwnerPatch(Patch):
         engine = getattr(importlib.import_module(ASYNC_ENGINE_MODULE), 'AsyncEngine', None)
         if engine is None:
             return 'AsyncEngine is missing'
+        if not callable(getattr(importlib.import_module(ERRORS_MODULE), 'create_error_response', None)):
+            return 'create_error_response is missing'
         return first_problem(signature_problem(context, 'create_session', ['self', 'user_session_id']),
                              signature_problem(engine, 'generate', ['self', 'request', 'stream_response']),
                              *registers)

@@ -340,10 +340,13 @@ def test_a_request_whose_cache_is_being_copied_is_answered_when_the_proxy_remove
 
 
 @pytest.mark.regression
-def test_an_answer_decoded_from_a_dummy_prefill_is_marked(cluster: Cluster, mode: str) -> None:
+def test_a_dummy_prefill_is_refused_unless_the_deployment_allows_it(cluster: Cluster, mode: str) -> None:
+    # it decodes from KV blocks no Prefill filled: right after another request, that request's leftovers
     answer = to_decode(cluster, migration_request(cluster, 0, [0], is_dummy_prefill=True))
-    assert answer.status == 200, answer
-    assert answer.body.get('dummy_prefill') is (True if mode == 'patched' else None)
+    if mode == 'patched':
+        assert answer.status == 400 and 'LMDEPLOY_PDFIX_ALLOW_DUMMY_PREFILL' in str(answer.body), answer
+    else:
+        assert answer.status == 200 and answer.body.get('dummy_prefill') is None, answer
 
 
 # ---------------------------------------------------------------------------------------------- D6
