@@ -53,7 +53,20 @@ def status_report() -> dict[str, Any]:
         'enabled': settings.enabled(),
         'unknown_disabled_names': sorted(disabled - known),
         'patches': [_patch_status(spec, disabled) for spec in PATCHES],
+        'node_key': _node_key_status(),
     }
+
+
+MAX_TIMEOUT_S = 3600.0
+
+
+def _node_key_status() -> dict[str, Any]:
+    if settings.NODE_API_KEY.value() is not None:
+        return {'set': True, 'leaves_open': []}
+    return {'set': False, 'leaves_open': [  # docs/security.md
+        "anyone who reaches a node's port can link it, migrate a cache whose owner and blocks they know, claim "
+        'and free caches, and read its audit (run nodes with --api-keys and set the key here)',
+        'Decode nodes confirm every cache by a claim before migrating it (no cache tickets)']}
 
 
 def _print_status(report: dict[str, Any]) -> None:
@@ -67,6 +80,10 @@ def _print_status(report: dict[str, Any]) -> None:
         print(f"  {row['name']:<{name_width}} {row['state']:<{state_width}}{reason}")
     if report['unknown_disabled_names']:
         print(f"  unknown names in {settings.DISABLE}: {', '.join(report['unknown_disabled_names'])}")
+    node_key = report['node_key']
+    print(f"{settings.NODE_API_KEY.name}: {'set' if node_key['set'] else 'unset, which leaves open:'}")
+    for what in node_key['leaves_open']:
+        print(f'  - {what}')
 
 
 @contextlib.contextmanager
@@ -95,6 +112,13 @@ def status(as_json: bool) -> int:
     return 1 if refused else 0
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_TIMEOUT_S:  # nan and inf too
+        raise argparse.ArgumentTypeError(f'{text} is not a number of seconds in (0, {MAX_TIMEOUT_S:g}]')
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ['sim']:
@@ -109,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest='command', required=True)
     status_parser = commands.add_parser('status', help='LMDeploy version, toggle and the state of every patch')
     status_parser.add_argument('--json', action='store_true', help='machine-readable output')
-    doctor_parser = commands.add_parser('doctor', help='ask a DistServe proxy and each of its nodes; list problems')
+    doctor_parser = commands.add_parser('doctor', help='ask a DistServe proxy and each of its nodes; list problems',
+                                        epilog='exit status: 0 healthy, 1 problems found, 3 the proxy could not be '
+                                               'asked (2: a wrong command line)')
     doctor_parser.add_argument('--proxy', required=True, help='the proxy URL, e.g. http://127.0.0.1:8000')
     doctor_parser.add_argument('--json', action='store_true', help='machine-readable output')
-    doctor_parser.add_argument('--timeout', type=float, default=5.0, help='seconds to wait for each answer')
+    doctor_parser.add_argument('--timeout', type=_seconds, default=5.0, help='seconds to wait for each answer')
     commands.add_parser('sim', help='GPU-free DistServe cluster: sim up|status|down (see sim --help)')
     commands.add_parser('soak', help='load loop against a DistServe proxy (see soak --help)')
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_index, is_owner_id
@@ -59,6 +60,9 @@ CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
 CLAIM_PATH = '/distserve/pdfix/claim'
 # A Prefill node's ticket key, for the Decode nodes that check its tickets (node credentials required where set).
 TICKET_KEY_PATH = '/distserve/pdfix/ticket_key'
+# A node proves it holds the node key before anyone sends it the key (see node_proof). Under a prefix LMDeploy's
+# --api-keys check leaves open: the one asking has proven nothing yet.
+NODE_PROOF_PATH = '/nodes/pdfix_proof'
 # The books of the proxy and of each node.
 AUDIT_PATH = '/distserve/pdfix/audit'
 # A Decode answer decoded from a dummy prefill (no KV was migrated; D19): its text is not a real answer.
@@ -71,8 +75,48 @@ CLIENT_CLOSED_REQUEST = 499
 MAX_NODE_URL_CHARS = 2048  # a node URL in a request body (a Prefill's engine id, a claiming Decode's)
 
 AUTHORIZATION = 'Authorization'
-CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and the Decode nodes to a key the nodes accept '
+CREDENTIALS_HINT = (f'Set {settings.NODE_API_KEY.name} on the proxy and every node to a key the nodes accept '
                     '(their --api-keys).')
+_NONCE = re.compile(r'[0-9a-f]{32}')
+_PROOF = re.compile(r'[0-9a-f]{64}')
+
+
+def node_address(host: str, port: int) -> str:
+    """``host:port`` as a node proof names an address (an IPv4 address seen through an IPv6 socket as itself)."""
+    host = host.removeprefix('::ffff:')
+    return f'[{host}]:{port}' if ':' in host else f'{host}:{port}'
+
+
+def node_proof(key: str, nonce: str, address: str) -> str:
+    """A node's proof that it holds ``key``: an HMAC over the asker's ``nonce`` and the address the node was reached
+    at. The address keeps a node that merely relays the challenge to a real node from passing: the real node's
+    proof names the real node's address, not the relay's."""
+    message = f'lmdeploy-pdfix node proof v1|{nonce}|{address}'.encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_addresses(url: str, resolved: list[str]) -> set[str]:
+    """The addresses a proof from the node at ``url`` may name: its host:port as written and each address the
+    host resolved to (``resolved``, IP addresses)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == 'https' else 80)
+    return {node_address(host, port) for host in (parts.hostname or '', *resolved)}
+
+
+def parse_nonce(body: Any) -> str:
+    """The nonce of a proof challenge; raise ValueError."""
+    nonce = body.get('nonce') if isinstance(body, dict) else None
+    if not isinstance(nonce, str) or not _NONCE.fullmatch(nonce):
+        raise ValueError('nonce must be 32 lowercase hex digits')
+    return nonce
+
+
+def parse_proof(body: Any) -> str:
+    """The proof of a node's answer to a challenge; raise ValueError."""
+    proof = body.get('proof') if isinstance(body, dict) else None
+    if not isinstance(proof, str) or not _PROOF.fullmatch(proof):
+        raise ValueError('not a node proof')
+    return proof
 
 
 def parse_json(text: str | bytes) -> Any:

@@ -153,11 +153,18 @@ class Text:
 
 
 NODE_API_KEY = Text(
-    'LMDEPLOY_PDFIX_NODE_API_KEY', node='proxy and Decode',
+    'LMDEPLOY_PDFIX_NODE_API_KEY', node='proxy and every node',
     help="a key the nodes' `--api-keys` accept: the calls pdfix makes on its own behalf (capability probe, link "
-         "set-up, frees, the Decode's claims) send it as a Bearer token; requests relayed for a client send the "
-         "client's own `Authorization`, as LMDeploy's Hybrid proxy does (this key only when the client sent none)")
-TEXTS: tuple[Text, ...] = (NODE_API_KEY,)
+         "set-up, frees, the Decode's claims and ticket keys) send it as a Bearer token; requests relayed for a "
+         "client send the client's own `Authorization`, as LMDeploy's Hybrid proxy does (this key only when the "
+         "client sent none). It goes only to a node that proved it holds the same key (an HMAC over a fresh nonce "
+         "and its address), so a node registered by anyone never receives it; unset, node ports are open to "
+         "anyone who reaches them (docs/security.md)")
+NODE_ADDRESS = Text(
+    'LMDEPLOY_PDFIX_NODE_ADDRESS', node='every node',
+    help="`host:port` this node is reached at, where that is not the address it listens on (NAT, a container's "
+         "port mapping): the address its proof of the node key names. Unset, the local address of each connection")
+TEXTS: tuple[Text, ...] = (NODE_API_KEY, NODE_ADDRESS)
 
 
 class Flag:

@@ -23,7 +23,7 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
     DistServeInitResponse,
 )
 
-from lmdeploy_pdfix.protocol import CAPABILITIES_PATH
+from lmdeploy_pdfix.protocol import CAPABILITIES_PATH, NODE_PROOF_PATH, node_address, node_proof
 
 MODEL = 'pdfix-stand-in'
 BLOCK_IDS = [3, 4]
@@ -35,7 +35,17 @@ def decoded_text(owner: Any) -> str:
 
 
 @dataclass
-class PrefillBook:
+class NodeBook:
+    """What any stand-in node was sent, and how it answers a challenge to prove it holds the node key."""
+
+    client_ports: set[int] = field(default_factory=set)  # one per TCP connection the node was called on
+    authorizations: list[str] = field(default_factory=list)  # every Authorization header it was sent
+    node_key: str | None = None  # the node key it proves it holds (None: it has no proof route)
+    proof_relayed_to: str | None = None  # a real node it passes challenges on to, as a relay would
+
+
+@dataclass
+class PrefillBook(NodeBook):
     """What a Prefill node retains and what it was asked."""
 
     answer: str = 'owner'  # owner | no_owner | bad_owner | no_blocks | bad_digest | bad_logprobs | error | finished
@@ -54,7 +64,6 @@ class PrefillBook:
     owner_of_prompt: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0
     most_in_flight: int = 0
-    client_ports: set[int] = field(default_factory=set)  # one per TCP connection the node was called on
     _ids: itertools.count = field(default_factory=lambda: itertools.count(100))
 
     def free(self, owner: Any) -> None:
@@ -66,31 +75,47 @@ class PrefillBook:
 
 
 @dataclass
-class DecodeBook:
+class DecodeBook(NodeBook):
     answer: str = 'ok'  # ok | error | refuses (names the owner) | slow | dies (mid-stream)
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
-    client_ports: set[int] = field(default_factory=set)
     kv_layout: dict[str, Any] | None = None  # what its capability route says of its KV cache (None: nothing)
 
 
-def _new_app(book: PrefillBook | DecodeBook) -> FastAPI:
-    """An app that notes the client port of every call, so a test can count the connections it came on."""
+def _new_app(book: NodeBook) -> FastAPI:
+    """An app that notes the client port and credentials of every call, so a test can count the connections it
+    came on and tell who was sent a key."""
     app = FastAPI()
     app.add_middleware(_NotingConnections, book=book)
     _add_handshake(app)
+    _add_proof(app, book)
     return app
+
+
+def _add_proof(app: FastAPI, book: NodeBook) -> None:
+    @app.post(NODE_PROOF_PATH)
+    async def proof(request: Request):
+        if book.proof_relayed_to is not None:
+            async with httpx.AsyncClient() as client:
+                relayed = await client.post(book.proof_relayed_to + NODE_PROOF_PATH, content=await request.body())
+            return JSONResponse(relayed.json(), relayed.status_code)
+        if book.node_key is None:
+            return JSONResponse({'detail': 'Not Found'}, 404)
+        nonce = (await request.json())['nonce']
+        return {'proof': node_proof(book.node_key, nonce, node_address(*request.scope['server']))}
 
 
 class _NotingConnections:
     """Plain ASGI (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoints)."""
 
-    def __init__(self, app, book: PrefillBook | DecodeBook) -> None:
+    def __init__(self, app, book: NodeBook) -> None:
         self.app, self.book = app, book
 
     async def __call__(self, scope, receive, send) -> None:
         if scope['type'] == 'http':
             self.book.client_ports.add(scope['client'][1])
+            self.book.authorizations += [value.decode() for name, value in scope['headers']
+                                         if name == b'authorization']
         await self.app(scope, receive, send)
 
 

@@ -25,8 +25,11 @@ from lmdeploy_pdfix.protocol import (
     CACHE_TICKET_FIELD,
     CLAIM_PATH,
     COMPLETIONS_PATH,
+    NODE_PROOF_PATH,
     TICKET_KEY_PATH,
     bearer,
+    node_address,
+    node_proof,
     parse_ticket_key,
     ticket_key_answer,
 )
@@ -92,6 +95,8 @@ class StandInPrefill:
         self.key_requests = 0
         self.verdict = ('claimed', 200)
         self.claim_answer: tuple[Any, int] | None = None
+        self.node_key: str | None = None  # the node key it proves it holds (None: it proves nothing)
+        self.authorizations: list[str | None] = []  # of each claim
         self.answer_claims = threading.Event()
 
     def app(self) -> FastAPI:
@@ -102,8 +107,16 @@ class StandInPrefill:
             self.key_requests += 1
             return ticket_key_answer(self.key)
 
+        @app.post(NODE_PROOF_PATH)
+        async def proof(request: Request) -> JSONResponse:
+            if self.node_key is None:
+                return JSONResponse({'detail': 'Not Found'}, 404)
+            address = node_address(*request.scope['server'])
+            return JSONResponse({'proof': node_proof(self.node_key, (await request.json())['nonce'], address)})
+
         @app.post(CLAIM_PATH)
         async def claim(request: Request) -> JSONResponse:
+            self.authorizations.append(request.headers.get('Authorization'))
             self.claims.append(await request.json())
             await asyncio.to_thread(self.answer_claims.wait, 10)
             status, code = self.verdict
@@ -346,3 +359,22 @@ async def test_a_claim_not_answered_with_a_pdfix_verdict_refuses_the_migration_b
     response = await client.post(COMPLETIONS_PATH, json=migrating(remote_engine_id=url))
     assert response.status_code == 502 and 'did not confirm the cache' in response.json()['message']
     assert not engine.started.is_set() and len(node.claims) == 1
+
+
+@pytest.mark.parametrize('proves', [NODE_KEY, 'another key', None], ids=['the node key', 'another key', 'nothing'])
+async def test_a_decode_sends_the_node_key_only_to_a_prefill_that_proved_it_holds_it(
+        prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine],
+        monkeypatch: pytest.MonkeyPatch, proves: str | None) -> None:
+    from lmdeploy_pdfix.patches import _client
+
+    (node, url), (client, engine) = prefill, decode
+    monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
+    monkeypatch.setattr(_client, '_PROOFS', _client._Proofs())
+    node.node_key = proves
+    answering_at_once(node, engine)
+    response = await client.post(COMPLETIONS_PATH, json=migrating(remote_engine_id=url))
+    if proves == NODE_KEY:
+        assert response.status_code == 200 and node.authorizations == [f'Bearer {NODE_KEY}']
+    else:  # a linked alias of a Prefill, or anything else: nothing confirmed, no key sent
+        assert response.status_code == 502 and 'has not proven' in response.json()['message']
+        assert node.claims == [] and not engine.started.is_set()

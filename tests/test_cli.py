@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lmdeploy_pdfix.registry import PATCHES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,3 +37,13 @@ def test_a_unit_whose_optional_dependency_is_missing_is_not_applicable_not_refus
     assert rows['ray_workers_env']['state'] == 'not applicable'
     assert rows['ray_workers_env']['reason'].startswith('ray is not installed')
     assert run.returncode == 0
+
+
+def test_status_says_plainly_what_running_without_a_node_key_leaves_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmdeploy_pdfix.cli import status_report
+
+    monkeypatch.delenv('LMDEPLOY_PDFIX_NODE_API_KEY', raising=False)
+    unkeyed = status_report()['node_key']
+    monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', 'a-key')
+    assert unkeyed['set'] is False and any("a node's port" in what for what in unkeyed['leaves_open'])
+    assert status_report()['node_key'] == {'set': True, 'leaves_open': []}

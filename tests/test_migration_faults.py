@@ -63,10 +63,12 @@ class StandInTransfers:
         self.failing: dict[str, Exception] = {}
         self.hanging: set[str] = set()
         self.unfinished: list[asyncio.Future] = []  # hanging copies, which the test may let end
+        self.posted: list[str] = []
         self.copied: list[str] = []
 
     async def migrate(self, batch: Any) -> None:
         (remote_engine_id, _block_pairs), = batch.requests
+        self.posted.append(remote_engine_id)
         if remote_engine_id in self.failing:
             raise self.failing[remote_engine_id]
         if remote_engine_id in self.hanging:
@@ -225,6 +227,35 @@ async def test_the_blocks_of_a_failed_transfer_stay_quarantined_while_peer_worke
     assert failing.session_id not in decode.scheduler.sessions
     assert decode.free_blocks() == NUM_GPU_BLOCKS - 2 * PROMPT_BLOCKS, 'handed out while a peer may still write'
     assert await eventually(lambda: decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, within_s=3.0)
+
+
+@pytest.mark.regression
+async def test_a_migration_refused_before_any_copy_returns_its_decode_blocks_at_once(
+        decode: DecodeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    # LMDeploy's block-count check refuses it before executor.migrate: nothing can land in its blocks, and
+    # pinned for QUARANTINE_S, repeated refusals would leave the Decode without KV
+    monkeypatch.setattr(engine_loop_patch, 'QUARANTINE_S', 60.0)
+    refused, _, failed, answered = await decode.serve_one_from_each(num_prefill_blocks=PROMPT_BLOCKS + 1)
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+    assert is_answered_with_first_token(answered)
+    assert decode.transfers.posted == ['prefill-b'], 'a copy was posted for the refused request'
+    assert refused.session_id not in decode.scheduler.sessions
+    assert decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, 'blocks no copy writes into were quarantined'
+
+
+@pytest.mark.regression
+async def test_the_blocks_of_a_copy_that_ended_are_free_at_once_though_its_free_failed(
+        decode: DecodeNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the copy returned on every worker before the free was sent: nothing writes into its blocks any more
+    monkeypatch.setattr(engine_loop_patch, 'QUARANTINE_S', 60.0)
+    decode.loop.engine_conn.failing['prefill-a'] = TimeoutError('no peer')
+    _, _, failed, answered = await decode.serve_one_from_each()
+
+    assert failed.type == ResponseType.INTERNAL_ENGINE_ERROR
+    assert is_answered_with_first_token(answered)
+    assert decode.transfers.copied == ['prefill-a', 'prefill-b']
+    assert decode.free_blocks() == NUM_GPU_BLOCKS - PROMPT_BLOCKS, 'blocks no copy writes into were quarantined'
 
 
 @pytest.mark.regression

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -307,6 +308,45 @@ async def test_a_prefill_that_refuses_the_proxys_credentials_is_reported_as_such
     assert 'refused the credentials' in response.json()['message']
     assert 'LMDEPLOY_PDFIX_NODE_API_KEY' in response.json()['message']
     assert keyed.requests == [] and distserve.decode.migrations == []
+
+
+NODE_KEY = 'the-operators-node-key'
+
+
+@pytest.fixture
+def node_key(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The proxy holds a node key; what nodes proved is forgotten before and after (ports are reused)."""
+    from lmdeploy_pdfix.patches import _client
+
+    monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
+    _client._PROOFS._known.clear()
+    yield NODE_KEY
+    _client._PROOFS._known.clear()
+
+
+async def test_the_node_key_goes_to_nodes_that_prove_they_hold_it(distserve: Cluster, node_key: str) -> None:
+    distserve.prefill.node_key = distserve.decode.node_key = node_key
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    assert response.status_code == 200, response.text
+    assert f'Bearer {node_key}' in distserve.prefill.authorizations
+    assert f'Bearer {node_key}' in distserve.decode.authorizations
+
+
+UNPROVEN = {'no proof route': {}, 'another key': {'node_key': 'not-the-key'},
+            'a relay of the real Prefill': {'proof_relayed_to': 'prefill'}}
+
+
+@pytest.mark.parametrize('decode', UNPROVEN.values(), ids=UNPROVEN.keys())
+async def test_a_node_that_has_not_proven_it_holds_the_node_key_is_never_sent_it(
+        distserve: Cluster, node_key: str, decode: dict[str, str]) -> None:
+    # before, a node anyone added at /nodes/add got the key as a Bearer token on the probe and relayed requests
+    distserve.prefill.node_key = node_key
+    for name, value in decode.items():
+        setattr(distserve.decode, name, distserve.p_url if value == 'prefill' else value)
+    response = await distserve.post('/v1/chat/completions', CHAT)
+    assert response.status_code == 502 and 'has not proven it holds' in response.json()['message']
+    assert not any(node_key in sent for sent in distserve.decode.authorizations)
+    assert distserve.prefill.requests == [] and distserve.decode.migrations == []
 
 
 @pytest.mark.regression

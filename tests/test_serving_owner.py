@@ -27,7 +27,8 @@ from lmdeploy.serve.core.async_engine import GenOut, PreprocessedRequest
 from lmdeploy.serve.managers.session_manager import Session, SessionManager
 from lmdeploy.serve.parsers import ResponseParserManager
 
-from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, CAPABILITIES_PATH
+from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, CAPABILITIES_PATH, NODE_PROOF_PATH, node_proof
+from tests.servers import serving
 
 MODEL = 'pdfix-test-model'
 # The server has already handed out this many scheduler sessions, so internal ids never coincide with the
@@ -236,6 +237,40 @@ async def test_a_prefill_node_keeps_one_cache_per_request_and_refuses_a_prompt_l
                                                                                            **WITH_CACHE))
     assert response.status_code == 400 and 'keeps one cache' in response.json()['message']
     assert prefill_server.engine.driven_sessions == []
+
+
+NODE_KEY = 'the-operators-node-key'
+NONCE = '0123456789abcdef' * 2
+
+
+async def test_a_node_proves_it_holds_the_node_key_for_the_address_it_was_reached_at(
+        prefill_server: PrefillServer, app: FastAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
+    with serving(app) as url:  # over a real socket: the address is the one the connection arrived at
+        async with httpx.AsyncClient() as client:
+            answer = (await client.post(url + NODE_PROOF_PATH, json={'nonce': NONCE})).json()
+            monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_ADDRESS', '203.0.113.7:8000')  # behind NAT, as peers reach it
+            behind_nat = (await client.post(url + NODE_PROOF_PATH, json={'nonce': NONCE})).json()
+    assert answer == {'proof': node_proof(NODE_KEY, NONCE, url.removeprefix('http://'))}
+    assert behind_nat == {'proof': node_proof(NODE_KEY, NONCE, '203.0.113.7:8000')}
+
+
+HOSTILE_CHALLENGES = {'no nonce': b'{}', 'a short nonce': b'{"nonce": "ab"}', 'not JSON': b'{',
+                      'Unicode digits': json.dumps({'nonce': '\u0661' * 32}).encode(),
+                      'deep nesting': b'[' * 100_000 + b']' * 100_000}
+
+
+@pytest.mark.parametrize('body', HOSTILE_CHALLENGES.values(), ids=HOSTILE_CHALLENGES.keys())
+async def test_a_challenge_that_is_not_one_gets_a_short_400(
+        prefill_server: PrefillServer, monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
+    monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
+    response = await prefill_server.client.post(NODE_PROOF_PATH, content=body)
+    assert response.status_code == 400 and len(response.text) < 200
+
+
+async def test_a_node_without_a_node_key_proves_nothing(prefill_server: PrefillServer) -> None:
+    response = await prefill_server.client.post(NODE_PROOF_PATH, json={'nonce': NONCE})
+    assert response.status_code == 403 and 'proof' not in response.json()
 
 
 # --- the link routes never block the api_server's event loop (issue 9) ---------------------------------------

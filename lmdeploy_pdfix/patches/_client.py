@@ -8,16 +8,33 @@ us, before uvicorn's own 5 s keep-alive closes them under a call in flight.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
+import socket
+import time
 import weakref
 from http import HTTPStatus
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.patching import warn
-from lmdeploy_pdfix.protocol import FREE_PATH, credentials_hint, node_credentials
+from lmdeploy_pdfix.protocol import (
+    FREE_PATH,
+    NODE_PROOF_PATH,
+    bearer,
+    credentials_hint,
+    node_proof,
+    parse_json,
+    parse_proof,
+    proof_addresses,
+)
 
 RELEASE_TIMEOUT_S = 10.0
+PROOF_TIMEOUT_S = 5.0
+PROOF_TTL_S = {True: 300.0, False: 5.0}  # a node that failed is asked again soon: it may be starting
+MAX_PROOF_ANSWER_BYTES = 4096
 CONNECTION_LIMIT = 512  # per client: far above what one proxy or Decode keeps in flight to its peers
 
 _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = weakref.WeakKeyDictionary()
@@ -51,6 +68,65 @@ async def close_node_client() -> None:
         await client.close()
 
 
+class UnprovenNodeError(Exception):
+    """The node has not proven it holds the node key, so no call carries the key to it."""
+
+
+class _Proofs:
+    """Which nodes proved they hold the node key, asked once per node and again after a while."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[bool, float]] = {}
+        self._asking: dict[str, asyncio.Future] = {}
+
+    async def proven(self, url: str, key: str) -> bool:
+        known = self._known.get(url)
+        if known is not None and time.monotonic() < known[1]:
+            return known[0]
+        asking = self._asking.get(url)
+        if asking is None:  # concurrent calls to one node share one challenge
+            asking = self._asking[url] = asyncio.ensure_future(self._ask(url, key))
+            asking.add_done_callback(lambda _: self._asking.pop(url, None))
+        return await asyncio.shield(asking)
+
+    async def _ask(self, url: str, key: str) -> bool:
+        nonce = secrets.token_hex(16)
+        try:
+            addresses = await _addresses(url)
+            async with node_client().post(url + NODE_PROOF_PATH, json={'nonce': nonce},
+                                          timeout=aiohttp.ClientTimeout(total=PROOF_TIMEOUT_S)) as response:
+                proof = parse_proof(parse_json(await response.content.read(MAX_PROOF_ANSWER_BYTES)))
+            proven = any(hmac.compare_digest(proof, node_proof(key, nonce, address)) for address in addresses)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            proven = False
+        self._known[url] = (proven, time.monotonic() + PROOF_TTL_S[proven])
+        return proven
+
+
+async def _addresses(url: str) -> set[str]:
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ValueError('no host')
+    infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
+    return proof_addresses(url, [info[4][0] for info in infos])
+
+
+_PROOFS = _Proofs()
+
+
+async def node_credentials_for(url: str) -> dict[str, str]:
+    """The headers that carry the node key on a call to the node at ``url`` (none without a key); raise
+    :class:`UnprovenNodeError` unless that node proved it holds the same key: a node anyone registered, or a URL
+    that merely relays to a real node, never receives it."""
+    key = settings.NODE_API_KEY.value()
+    if key is None:
+        return {}
+    if not await _PROOFS.proven(url, key):
+        raise UnprovenNodeError(f'the node at {url} has not proven it holds {settings.NODE_API_KEY.name} (set the '
+                                f'same key on every node; behind NAT also {settings.NODE_ADDRESS.name})')
+    return bearer(key)
+
+
 async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
     """Ask the Prefill node to end the session holding ``owner``'s cache; True once it answered 200."""
     from lmdeploy.pytorch.disagg.conn.protocol import DistServeCacheFreeRequest
@@ -58,13 +134,13 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
     free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
     try:
         async with node_client().post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
-                                      headers=node_credentials(),
+                                      headers=await node_credentials_for(p_url),
                                       timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as response:
             await response.read()
             if response.status == HTTPStatus.OK:
                 return True
             problem = f'HTTP {response.status}{credentials_hint(response.status)}'
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, UnprovenNodeError) as exc:
         problem = repr(exc)
     warn(f'releasing Prefill session {owner} on {p_url} ({reason}) failed: {problem}')
     return False

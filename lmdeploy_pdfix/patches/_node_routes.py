@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_owner_id
-from lmdeploy_pdfix.patches._client import node_client
+from lmdeploy_pdfix.patches._client import UnprovenNodeError, node_client, node_credentials_for
 from lmdeploy_pdfix.patching import PatchState, installation, warn
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict, remember_recent
 from lmdeploy_pdfix.protocol import (
@@ -50,7 +50,6 @@ from lmdeploy_pdfix.protocol import (
     MigrationRequestError,
     claim_body,
     credentials_hint,
-    node_credentials,
     parse_claim,
     parse_json,
     parse_migration_request,
@@ -328,8 +327,8 @@ class TicketKeys:
 
     async def _ask(self, prefill: str) -> TicketKey | None:
         key = None
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            async with node_client().get(f'{prefill}{TICKET_KEY_PATH}', headers=node_credentials(),
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnprovenNodeError):
+            async with node_client().get(f'{prefill}{TICKET_KEY_PATH}', headers=await node_credentials_for(prefill),
                                          timeout=aiohttp.ClientTimeout(total=TICKET_KEY_TIMEOUT_S)) as response:
                 if response.status == HTTPStatus.OK:
                     key = parse_ticket_key(await response.json(content_type=None))
@@ -393,11 +392,13 @@ async def _claim_refusal(order: MigrationOrder, error_response) -> JSONResponse 
 async def _claim(prefill: str, claim: Claim) -> tuple[int, str | None]:
     try:
         async with node_client().post(f'{prefill}{CLAIM_PATH}', json=claim_body(claim),
-                                      headers=node_credentials(),
+                                      headers=await node_credentials_for(prefill),
                                       timeout=aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)) as response:
             status, text = response.status, await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'
+    except UnprovenNodeError as exc:
+        return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache: {exc}'
     body: Any = None
     with contextlib.suppress(ValueError):
         body = parse_json(text)

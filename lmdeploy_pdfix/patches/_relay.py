@@ -26,7 +26,13 @@ from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.batching import merge_completions, split_prompts
 from lmdeploy_pdfix.kv_layout import HOW_TO_PAIR, layout_differences
 from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
-from lmdeploy_pdfix.patches._client import free_prefill_session, node_client, not_pooled_after_an_error
+from lmdeploy_pdfix.patches._client import (
+    UnprovenNodeError,
+    free_prefill_session,
+    node_client,
+    node_credentials_for,
+    not_pooled_after_an_error,
+)
 from lmdeploy_pdfix.patching import lmdeploy_logger
 from lmdeploy_pdfix.protocol import (
     CACHE_TICKET_FIELD,
@@ -43,7 +49,7 @@ from lmdeploy_pdfix.protocol import (
     PrefillAnswerError,
     first_logprobs_on_wire,
     is_finished_at_prefill,
-    node_credentials,
+    parse_json,
     parse_prefill_answer,
     refused_credentials,
 )
@@ -208,12 +214,12 @@ class _CapabilityProbe:
         if known is not None and time.monotonic() < known[1]:
             return known[0]
         try:
-            async with node_client().get(url + CAPABILITIES_PATH, headers=node_credentials(),
+            async with node_client().get(url + CAPABILITIES_PATH, headers=await node_credentials_for(url),
                                          timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
                 if refused_credentials(response.status):
                     raise NodeCredentialsRefusedError(f'HTTP {response.status}')
-                body = await response.json(content_type=None) if response.status == HTTPStatus.OK else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                body = parse_json(await response.read()) if response.status == HTTPStatus.OK else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnprovenNodeError):
             return None
         said = body if isinstance(body, dict) else {}
         self._known[url] = (said, time.monotonic() + PROBE_TTL_S[said.get('cache_owner') is True])
@@ -221,6 +227,17 @@ class _CapabilityProbe:
 
 
 _probe = _CapabilityProbe()
+
+
+async def _refuse_unproven(relay: _Relay) -> JSONResponse | None:
+    """Where there is a node key, both nodes must prove they hold it before any call carries it (or the client's
+    credentials) to them: a node anyone registered at /nodes/add receives neither."""
+    try:
+        await node_credentials_for(relay.p_url)
+        await node_credentials_for(relay.d_url)
+    except UnprovenNodeError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'{exc}.')
+    return None
 
 
 async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
@@ -308,7 +325,7 @@ def _unsupported(path: str, request_dict: dict[str, Any]) -> str | None:
 def _error_message(status: int, text: str) -> str:
     """The message of a node's error answer, whatever shape it has."""
     try:
-        body = json.loads(text)
+        body = parse_json(text)
     except ValueError:
         return text.strip()[:500] or HTTPStatus(status).phrase
     if isinstance(body, dict):
@@ -321,7 +338,7 @@ def _error_message(status: int, text: str) -> str:
 
 def _owner_if_any(text: str) -> int | None:
     try:
-        return parse_prefill_answer(json.loads(text)).owner
+        return parse_prefill_answer(parse_json(text)).owner
     except (ValueError, PrefillAnswerError) as exc:
         return getattr(exc, 'owner', None)
 
@@ -364,7 +381,7 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer
         await _release_unusable(relay, _owner_if_any(text), 'Prefill error')
         return relay.error(status, f'Prefill node {relay.p_url}: {_error_message(status, text)}')
     try:
-        body = json.loads(text)
+        body = parse_json(text)
         if is_finished_at_prefill(body):
             return _FinishedAtPrefill(body)
         answer = parse_prefill_answer(body)
@@ -433,7 +450,7 @@ async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse
         relay.decode_started()
         status, text = await relay.post(relay.d_url, decode_request)
         relay.decode_answered()
-        body = json.loads(text) if status == HTTPStatus.OK else None
+        body = parse_json(text) if status == HTTPStatus.OK else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         await relay.release('Decode failed')
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
@@ -656,7 +673,8 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
         missing = 'Prefill' if not relay.p_url else 'Decode'
         return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
     with relay.phase('probe'):
-        refused = await _refuse_unfixed_prefill(relay) or await _refuse_incompatible_pair(relay)
+        refused = (await _refuse_unproven(relay) or await _refuse_unfixed_prefill(relay)
+                   or await _refuse_incompatible_pair(relay))
     if refused is not None:
         return refused
     with relay.phase('prefill'):

@@ -35,9 +35,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
@@ -49,6 +50,7 @@ from lmdeploy_pdfix.patching import (
     attribute_problem,
     coroutine_problem,
     first_problem,
+    innermost,
     lmdeploy_logger,
     signature_problem,
     warn,
@@ -56,7 +58,7 @@ from lmdeploy_pdfix.patching import (
 
 MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
 CLAIM_LEASE_S = settings.CLAIM_LEASE_S.value()
-# how long the blocks of a transfer that failed stay out of reuse: no peer worker's copy outlasts a deadline
+# how long the blocks of a copy that failed stay out of reuse: no peer worker's copy outlasts a deadline
 QUARANTINE_S = MIGRATION_TIMEOUT_S
 BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
 MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
@@ -131,7 +133,7 @@ async def _migrate_one(original: Migrate, loop: Any, msg: Any) -> MigrationFailu
     if late is not None:
         return late
     transfer = asyncio.ensure_future(original(loop, [msg]))
-    _hold_blocks_during(loop.scheduler.block_manager, msg, transfer)
+    _hold_blocks_during(loop.scheduler.block_manager, msg, transfer, _copy_code(loop.executor))
     try:
         await asyncio.wait({transfer}, timeout=MIGRATION_TIMEOUT_S)
     except asyncio.CancelledError:  # the engine is stopping
@@ -183,7 +185,29 @@ def _past_claim_lease(msg: Any) -> MigrationFailure | None:
                                              f'for {CLAIM_LEASE_S:g} s (LMDEPLOY_PDFIX_CLAIM_LEASE_S)')
 
 
-def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) -> None:
+def _copy_code(executor: Any) -> CodeType | None:
+    """The code of ``executor.migrate``, where LMDeploy starts the copy: its frame is on the traceback of every
+    error that comes out of it."""
+    migrate = getattr(executor, 'migrate', None)
+    return getattr(getattr(migrate, '__func__', migrate), '__code__', None)
+
+
+def _may_still_write(error: BaseException | None, copy: CodeType | None) -> bool:
+    """Whether a transfer that ended with ``error`` may leave a copy still writing into its Decode blocks.
+
+    Only an error that came out of the copy (``executor.migrate``, which posts it to every worker), as its
+    traceback shows: one raised before it (the block-count assert, the block table) posted nothing, and one
+    raised after it (the free) comes once every worker's copy returned. A copy whose code we cannot find on a
+    traceback counts as started.
+    """
+    if error is None:
+        return False
+    if copy is None:
+        return True
+    return any(frame.f_code is copy for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
+def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future, copy: CodeType | None) -> None:
     """Keep ``msg``'s Decode blocks out of reuse until ``transfer`` really ends, whatever ends ``msg`` first.
 
     The sequence may be aborted (its client left) or failed (its deadline passed) while the copy still writes
@@ -192,9 +216,10 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
     KV. An extra reference (LMDeploy's own pin for asynchronous readers) keeps them allocated; a transfer given
     up on is left to finish rather than cancelled, as its end is the only sign that nothing writes any more.
     A transfer that never ends (#4971: the future is never completed, though the copy is done) keeps its
-    blocks: a visible loss of capacity (the book's ``timeout`` count), never wrong text. A transfer that ended
-    with an error keeps them a migration timeout longer: with several workers, one worker's failure ends the
-    gather while its peers may still be writing.
+    blocks: a visible loss of capacity (the book's ``timeout`` count), never wrong text. A copy that ended with
+    an error keeps them a migration timeout longer: with several workers, one worker's failure ends the gather
+    while its peers may still be writing. A transfer that failed outside its copy returns them at once: a
+    quarantine there only pins blocks nothing writes into, and refusals repeated would drain the Decode's KV.
     """
     blocks = msg.logical_blocks.get_real_blocks().copy()  # the sequence's own array is reset when it ends
     block_manager.pin_logical_blocks(blocks)
@@ -205,15 +230,16 @@ def _hold_blocks_during(block_manager: Any, msg: Any, transfer: asyncio.Future) 
 
     def release(done: asyncio.Future) -> None:
         error = None if done.cancelled() else done.exception()
+        quarantined = _may_still_write(error, copy)
         if done in _ABANDONED:
             _ABANDONED.discard(done)
             warn(f'the migration of Decode session {session_id} given up on has ended '
                  f'({repr(error) if error else "no error"}); its {len(blocks)} blocks are free again'
-                 + ('' if error is None else f' in {QUARANTINE_S:g} s'))
-        if _copy_ended(error):
-            unpin()
-        else:  # quarantined: a peer worker's copy may still be landing in them
+                 + (f' in {QUARANTINE_S:g} s' if quarantined else ''))
+        if quarantined:  # a peer worker's copy may still be landing in them
             asyncio.get_running_loop().call_later(QUARANTINE_S, unpin)
+        else:
+            unpin()
 
     transfer.add_done_callback(release)
 
@@ -227,9 +253,17 @@ def _fail(loop: Any, msg: Any, failure: MigrationFailure, respond: Respond, erro
                f'{failure.reason}: {failure.detail}')
     respond(loop.req_manager, msg.resp, error_type, err_msg=problem)
     engine = loop.engine_conn.engine
-    engine.end_session(session_id)  # its blocks return (but see _quarantine)
+    engine.end_session(session_id)  # its blocks return, or once its copy stops writing (_hold_blocks_during)
     book_of(engine).migration_failed(failure.reason)
     lmdeploy_logger().error('lmdeploy-pdfix: Decode session %s ended with an error: %s', session_id, problem)
+
+
+def _copy_call_problem(loop: Any) -> str | None:
+    """Why the copy may no longer be ``self.executor.migrate``: a failure outside it would free blocks it writes."""
+    migrate = innermost(getattr(loop, '_migration_loop_migrate', None))
+    if not {'executor', 'migrate'} <= set(getattr(getattr(migrate, '__code__', None), 'co_names', ())):
+        return 'EngineLoop._migration_loop_migrate no longer calls executor.migrate'
+    return None
 
 
 class MigrationFaultsPatch(Patch):
@@ -253,7 +287,8 @@ class MigrationFaultsPatch(Patch):
         sequence = importlib.import_module(MESSAGES_MODULE).SchedulerSequence
         scheduler = importlib.import_module(SCHEDULER_MODULE).Scheduler
         return first_problem(
-            attribute_problem(loop, ['scheduler', 'req_manager', 'engine_conn']),
+            attribute_problem(loop, ['scheduler', 'req_manager', 'engine_conn', 'executor']),
+            _copy_call_problem(loop),
             attribute_problem(sequence, ['logical_blocks', 'migration_request', 'status', 'session_id', 'arrive_time']),
             attribute_problem(scheduler, ['block_manager']),
             signature_problem(loop, '_migration_loop_migrate', ['self', 'migration_ready']),

@@ -17,6 +17,9 @@ one link now share one attempt; a link already up still costs no request to the 
 ``LMDEPLOY_PDFIX_MAX_LINK_WAITERS`` callers wait for link set-ups at once, a caller beyond that being refused
 at once (its request answers 503) rather than piling up.
 
+A link is set up only between nodes that proved they hold the node key, where there is one: its set-up calls
+carry the key.
+
 ``PDConnectionPool.drop`` (a Decode removed or re-registering) frees every session shelved on the link, some
 of which may still be migrating (D14); it no longer frees them: their relays and the proxy's gc do.
 """
@@ -30,8 +33,8 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.patches._client import node_credentials_for
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
-from lmdeploy_pdfix.protocol import node_credentials
 from lmdeploy_pdfix.shared_runs import SharedRuns
 
 
@@ -48,11 +51,13 @@ CONNECT_TIMEOUT_S = settings.CONNECT_TIMEOUT_S.value()
 
 
 async def _watched_connect(original: Callable, pool: Any, conn_req: Any) -> None:
+    # the session's key goes to both nodes of every link: only to nodes that proved they hold it
+    credentials = {**await node_credentials_for(conn_req.p_url), **await node_credentials_for(conn_req.d_url)}
     attempt = asyncio.ensure_future(original(pool, conn_req))
     deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
     try:
         await asyncio.sleep(0)  # the attempt sets the pool up (its session) before its worker sends anything
-        _authenticate(pool)
+        _authenticate(pool, credentials)
         while not attempt.done():
             await asyncio.wait({attempt}, timeout=CONNECT_POLL_S)
             if not attempt.done() and pool.is_connected(conn_req.p_url, conn_req.d_url):
@@ -65,12 +70,12 @@ async def _watched_connect(original: Callable, pool: Any, conn_req: Any) -> None
         attempt.cancel()
 
 
-def _authenticate(pool: Any) -> None:
+def _authenticate(pool: Any, credentials: dict[str, str]) -> None:
     """The link set-up calls (engine_info, p2p_initialize, p2p_connect) carry the operator's node key: LMDeploy
     sends none, so a cluster with --api-keys could not link at all."""
     session = getattr(pool, 'conn_sess', None)
     if session is not None:
-        session.headers.update(node_credentials())
+        session.headers.update(credentials)
 
 
 ATTEMPTS = '_pdfix_connect_attempts'  # a pool's attribute: the link set-ups under way, and who waits for them

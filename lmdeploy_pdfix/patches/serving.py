@@ -25,12 +25,15 @@ from __future__ import annotations
 import contextvars
 import importlib
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from types import ModuleType
 from typing import Any
 
 import shortuuid
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
-from lmdeploy_pdfix import __version__
+from lmdeploy_pdfix import __version__, settings
 from lmdeploy_pdfix.kv_layout import kv_layout
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
 from lmdeploy_pdfix.patches._node_routes import issue_ticket, release_cache
@@ -48,10 +51,15 @@ from lmdeploy_pdfix.protocol import (
     CLAIM_PATH,
     COMPLETIONS_PATH,
     FIRST_LOGPROBS_FIELD,
+    NODE_PROOF_PATH,
     PREFILL_FINISHED_FIELD,
     PROMPT_DIGEST_FIELD,
     TicketIssuer,
     first_logprobs_on_wire,
+    node_address,
+    node_proof,
+    parse_json,
+    parse_nonce,
     prompt_digest,
     sse_chunk_with_owner,
     with_owner,
@@ -204,7 +212,24 @@ def _adding_capabilities(original):
             return {'cache_owner': True, 'truthful_free': book, 'claims': book, 'lmdeploy_pdfix': __version__,
                     'kv_layout': _layout_of(server_context.async_engine)}
 
+        @router.post(NODE_PROOF_PATH)
+        async def pdfix_node_proof(raw_request: Request) -> JSONResponse:
+            return _proof_answer(await raw_request.body(), raw_request.scope.get('server'))
+
     return register
+
+
+def _proof_answer(body: bytes, server: Any) -> JSONResponse:
+    """This node's proof that it holds the node key, over the asker's nonce and the address it was reached at."""
+    key = settings.NODE_API_KEY.value()
+    if key is None:
+        return JSONResponse({'detail': f'this node holds no {settings.NODE_API_KEY.name}'}, HTTPStatus.FORBIDDEN)
+    try:
+        nonce = parse_nonce(parse_json(body))
+    except ValueError as exc:
+        return JSONResponse({'detail': str(exc)}, HTTPStatus.BAD_REQUEST)
+    address = settings.NODE_ADDRESS.value() or (node_address(*server) if server else '')
+    return JSONResponse({'proof': node_proof(key, nonce, address)})
 
 
 class ServingCacheOwnerPatch(Patch):
