@@ -248,6 +248,7 @@ class NodeRow:
     proxy_open_records: int = 0
     links: int | None = None
     removed_by_heartbeat: bool = False
+    node_key: bool | None = None  # whether it holds a node key, as it says
 
 
 @dataclass
@@ -258,6 +259,7 @@ class Report:
     proxy_books: dict[str, Any] | None
     nodes: list[NodeRow]
     problems: list[str]
+    notes: list[str] = field(default_factory=list)  # what an operator should know; no problem (exit status)
 
     @property
     def exit_status(self) -> int:
@@ -293,7 +295,15 @@ def examine(proxy_url: str, timeout_s: float = 5.0) -> Report:
         row.proxy_open_records = books['open_by_prefill'].get(row.url, 0) if books else 0
     problems = [books_problem] if books_problem else []
     problems += _problems(books, rows)
-    return Report(proxy_url, True, books['software'] if books else None, books, rows, problems)
+    return Report(proxy_url, True, books['software'] if books else None, books, rows, problems, _notes(rows))
+
+
+def _notes(rows: list[NodeRow]) -> list[str]:
+    unkeyed = [row.url for row in rows if row.node_key is False]
+    if not unkeyed:
+        return []
+    return [f'{len(unkeyed)} node(s) hold no node key ({", ".join(unkeyed[:4])}{", …" if len(unkeyed) > 4 else ""}): '
+            "anyone who reaches a node's port can link it, claim and free caches; see docs/security.md"]
 
 
 def _proxy_books(proxy_url: str, answer: Answer) -> tuple[dict[str, Any] | None, str | None]:
@@ -337,10 +347,12 @@ def _ask_node(row: NodeRow, timeout_s: float) -> None:
     if answer.status in (None, 404):  # 404: a node without pdfix has no audit route
         return
     try:
-        audit = _fields(answer.json(), '', NODE_AUDIT)
+        body = answer.json()
+        audit = _fields(body, '', NODE_AUDIT)
     except NotUnderstood as exc:
         row.not_understood = str(exc)
         return
+    row.node_key = body['node_key'] if isinstance(body.get('node_key'), bool) else None  # an older node: unsaid
     software = audit['software']
     row.lmdeploy, row.lmdeploy_pdfix, row.units = software['lmdeploy'], software['lmdeploy_pdfix'], software['units']
     row.preserved, row.oldest_age_s = audit['preserved'], audit['oldest_age_s']
@@ -417,6 +429,8 @@ def print_table(report: Report) -> None:
     print('problems:' if report.problems else 'no problems found')
     for problem in report.problems:
         print(f'  - {problem}')
+    for note in report.notes:
+        print(f'note: {note}')
 
 
 def _cells(row: NodeRow) -> tuple[str, ...]:

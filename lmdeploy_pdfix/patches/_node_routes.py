@@ -148,7 +148,7 @@ def add_node_routes(router: Any, server_context: Any) -> None:
 
     @router.get(AUDIT_PATH)
     async def pdfix_audit() -> dict[str, Any]:
-        return {**await node_audit(), 'software': installation()}
+        return {**await node_audit(), 'software': installation(), 'node_key': settings.NODE_API_KEY.value() is not None}
 
 
 async def node_audit() -> dict[str, Any]:
