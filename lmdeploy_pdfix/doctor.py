@@ -11,7 +11,6 @@ have added a node to the proxy's list). Only the standard library: it runs where
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import json
 import secrets
@@ -32,9 +31,8 @@ from lmdeploy_pdfix.protocol import (
     NODE_PROOF_PATH,
     bearer,
     node_credentials,
-    node_proof,
     parse_proof,
-    proof_addresses,
+    proves_key,
     refused_credentials,
 )
 
@@ -332,8 +330,7 @@ def _proven_credentials(url: str, timeout_s: float) -> dict[str, str]:
         resolved = [info[4][0] for info in socket.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)]
     except (NotUnderstood, ValueError, OSError):
         return {}
-    addresses = proof_addresses(url, resolved)
-    return bearer(key) if any(hmac.compare_digest(proof, node_proof(key, nonce, at)) for at in addresses) else {}
+    return bearer(key) if proves_key(proof, key, nonce, url, resolved) else {}
 
 
 def _ask_node(row: NodeRow, timeout_s: float) -> None:

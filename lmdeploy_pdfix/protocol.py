@@ -95,12 +95,13 @@ def node_proof(key: str, nonce: str, address: str) -> str:
     return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
 
 
-def proof_addresses(url: str, resolved: list[str]) -> set[str]:
-    """The addresses a proof from the node at ``url`` may name: its host:port as written and each address the
-    host resolved to (``resolved``, IP addresses)."""
+def proves_key(proof: str, key: str, nonce: str, url: str, resolved: list[str]) -> bool:
+    """Whether ``proof`` is the node at ``url``'s proof of ``key`` for ``nonce``: over its host:port as written or
+    over one of the addresses the host resolved to (``resolved``, IP addresses)."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == 'https' else 80)
-    return {node_address(host, port) for host in (parts.hostname or '', *resolved)}
+    addresses = {node_address(host, port) for host in (parts.hostname or '', *resolved)}
+    return any(hmac.compare_digest(proof, node_proof(key, nonce, address)) for address in addresses)
 
 
 def parse_nonce(body: Any) -> str:

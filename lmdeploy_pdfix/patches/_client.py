@@ -8,7 +8,6 @@ us, before uvicorn's own 5 s keep-alive closes them under a call in flight.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import secrets
 import socket
 import time
@@ -25,10 +24,9 @@ from lmdeploy_pdfix.protocol import (
     NODE_PROOF_PATH,
     bearer,
     credentials_hint,
-    node_proof,
     parse_json,
     parse_proof,
-    proof_addresses,
+    proves_key,
 )
 
 RELEASE_TIMEOUT_S = 10.0
@@ -92,23 +90,24 @@ class _Proofs:
     async def _ask(self, url: str, key: str) -> bool:
         nonce = secrets.token_hex(16)
         try:
-            addresses = await _addresses(url)
+            resolved = await _resolved(url)
             async with node_client().post(url + NODE_PROOF_PATH, json={'nonce': nonce},
                                           timeout=aiohttp.ClientTimeout(total=PROOF_TIMEOUT_S)) as response:
                 proof = parse_proof(parse_json(await response.content.read(MAX_PROOF_ANSWER_BYTES)))
-            proven = any(hmac.compare_digest(proof, node_proof(key, nonce, address)) for address in addresses)
+            proven = proves_key(proof, key, nonce, url, resolved)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             proven = False
         self._known[url] = (proven, time.monotonic() + PROOF_TTL_S[proven])
         return proven
 
 
-async def _addresses(url: str) -> set[str]:
+async def _resolved(url: str) -> list[str]:
+    """The IP addresses the host of ``url`` resolves to."""
     parts = urlsplit(url)
     if not parts.hostname:
         raise ValueError('no host')
     infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
-    return proof_addresses(url, [info[4][0] for info in infos])
+    return [info[4][0] for info in infos]
 
 
 _PROOFS = _Proofs()
