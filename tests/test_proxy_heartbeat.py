@@ -18,6 +18,8 @@ from types import ModuleType
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from lmdeploy_pdfix.patches import proxy_heartbeat
 from tests.servers import serving
@@ -226,3 +228,30 @@ def test_the_oldest_removed_nodes_are_forgotten_beyond_the_most_remembered(proxy
 
         assert sorted(proxy.node_manager.nodes) == sorted(urls[1:]), 'the oldest removed node is not forgotten'
         assert healths[0].asked == asked, 'a forgotten node is still asked'
+
+
+# anything /nodes/add takes as a URL, without letters (a name would wait on DNS): empty, unparsable, odd ports
+junk_urls = st.one_of(st.text(alphabet='.:[]%@/?#0123456789- ', max_size=24),
+                      st.text(alphabet='.:[]%@/0123456789', max_size=24).map('http://'.__add__))
+
+
+@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(urls=st.lists(junk_urls, min_size=1, max_size=4, unique=True))
+@example(urls=[UNPARSABLE_URL, ''])
+def test_any_registered_url_leaves_the_heartbeat_running_and_the_healthy_node_registered(
+        proxy: ModuleType, urls: list[str]) -> None:
+    health = Health()
+    with serving(node_app(health)) as decode:
+        register(proxy, decode, 'Decode')
+        junk = [url for url in urls if url != decode]
+        for url in junk:
+            register(proxy, url, 'Prefill')
+        try:
+            heartbeat(proxy)
+            assert decode in proxy.node_manager.nodes
+            assert not set(junk) & set(proxy.node_manager.nodes), 'a URL that answers nothing stays registered'
+        finally:
+            for url in [decode, *junk]:
+                proxy.node_manager.nodes.pop(url, None)
+                proxy_heartbeat.PATCH.removed_nodes.forget(url)
