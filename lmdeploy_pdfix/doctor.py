@@ -297,11 +297,11 @@ def examine(proxy_url: str, timeout_s: float = 5.0) -> Report:
 
 
 def _notes(rows: list[NodeRow]) -> list[str]:
-    unkeyed = [row.url for row in rows if row.node_key is False]
+    unkeyed = sum(row.node_key is False for row in rows)  # which ones: node_key in the --json rows
     if not unkeyed:
         return []
-    return [f'{len(unkeyed)} node(s) hold no node key ({", ".join(unkeyed[:4])}{", …" if len(unkeyed) > 4 else ""}): '
-            "anyone who reaches a node's port can link it, claim and free caches; see docs/security.md"]
+    return [f"{unkeyed} node(s) hold no node key: anyone who reaches such a node's port can link it, claim and "
+            'free caches; see docs/security.md']
 
 
 def _proxy_books(proxy_url: str, answer: Answer) -> tuple[dict[str, Any] | None, str | None]:

@@ -36,8 +36,8 @@ PATCHES: tuple[PatchSpec, ...] = (
         name='decode_migration_checks',
         module='lmdeploy_pdfix.patches.decode_checks',
         target='lmdeploy.serve.openai.api_server',
-        summary=('A Decode node migrates only a well-formed, linked, confirmed migration_request; a dummy-prefill '
-                 'answer is marked'),
+        summary=('A Decode node migrates only a well-formed, linked, confirmed migration_request; a dummy prefill '
+                 'is refused unless the deployment allows it'),
     ),
     PatchSpec(
         name='unguessable_session_ids',

@@ -455,5 +455,6 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_a_usage_error(stand_ins: S
 def test_doctor_notes_the_nodes_that_hold_no_node_key_without_calling_it_a_problem(stand_ins: StandIns) -> None:
     stand_ins.answers[f'/decode{AUDIT_PATH}'] = json_answer(node_audit(node_key=False))
     table, report = table_and_report(stand_ins.url, HEALTHY)
-    assert f"1 node(s) hold no node key ({stand_ins.node_url('decode')})" in table
+    assert "note: 1 node(s) hold no node key: anyone who reaches such a node's port" in table
     assert report['notes'] and 'docs/security.md' in report['notes'][0]
+    assert [row['node_key'] for row in report['nodes']] == [None, False]  # the Prefill says nothing of it

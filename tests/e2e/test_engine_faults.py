@@ -357,8 +357,10 @@ PRESSURE = {'num_blocks': 24, 'requests': 16, 'prompt_length': 300}
 @pytest.mark.regression
 @pytest.mark.parametrize('engine', ['stock', 'patched'])
 def test_preserved_caches_are_not_evicted_under_kv_pressure(engine: str, start_cluster: Callable[..., Any]) -> None:
-    # A fixed proxy in both runs, so only the Prefill engine's handling of preserved KV differs.
-    env = {} if engine == 'patched' else {'LMDEPLOY_PDFIX_DISABLE': 'engine_sessions'}
+    # A fixed proxy in both runs, so only the Prefill engine's handling of preserved KV differs. Without the
+    # Prefill's book no claim is confirmed, and a Decode that checks refuses every migration (it fails closed):
+    # its checks are off too, as on a stock Decode
+    env = {} if engine == 'patched' else {'LMDEPLOY_PDFIX_DISABLE': 'engine_sessions,decode_migration_checks'}
     with start_cluster(f'kv-pressure-{engine}', num_blocks=PRESSURE['num_blocks'], env=env) as started:
         def one(index: int) -> client.Result:
             return client.request(started.proxy_url, 'completions',
