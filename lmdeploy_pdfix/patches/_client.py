@@ -13,6 +13,7 @@ import socket
 import time
 import weakref
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -46,8 +47,45 @@ def node_client() -> aiohttp.ClientSession:
         keepalive_s = settings.KEEPALIVE_S.value()
         connector = aiohttp.TCPConnector(limit=CONNECTION_LIMIT, force_close=not keepalive_s,
                                          keepalive_timeout=keepalive_s or None)
-        client = _CLIENTS[loop] = aiohttp.ClientSession(connector=connector)
+        client = _CLIENTS[loop] = aiohttp.ClientSession(connector=connector, trace_configs=[_noting_reuse()])
     return client
+
+
+def _noting_reuse() -> aiohttp.TraceConfig:
+    trace = aiohttp.TraceConfig()
+
+    async def reused(_session: Any, context: Any, _params: Any) -> None:
+        if isinstance(context.trace_request_ctx, _Attempt):
+            context.trace_request_ctx.reused = True
+
+    trace.on_connection_reuseconn.append(reused)
+    return trace
+
+
+class _Attempt:
+    __slots__ = ('reused',)
+
+    def __init__(self) -> None:
+        self.reused = False  # sent on a pooled connection
+
+
+async def node_post(url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+    """A POST to a node (use it as ``async with await node_post(...) as response``), sent once more on a new
+    connection when the pooled one it went out on turns out closed by the node.
+
+    A node closes an idle connection when its keep-alive runs out (uvicorn's 5 s); a POST sent on it just then
+    meets a reset, though the node never read it (RFC 9112 9.3.1.1: aiohttp retries only idempotent methods).
+    Under load the proxy's loop can lag the node by the second between our keep-alive and its.
+    """
+    attempt = _Attempt()
+    try:
+        return await node_client().post(url, trace_request_ctx=attempt, **kwargs)
+    except aiohttp.ClientConnectorError:
+        raise  # no connection at all: nothing was pooled
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        if not attempt.reused:
+            raise
+    return await node_client().post(url, **kwargs)
 
 
 def not_pooled_after_an_error(response: aiohttp.ClientResponse) -> None:
@@ -91,8 +129,8 @@ class _Proofs:
         nonce = secrets.token_hex(16)
         try:
             resolved = await _resolved(url)
-            async with node_client().post(url + NODE_PROOF_PATH, json={'nonce': nonce},
-                                          timeout=aiohttp.ClientTimeout(total=PROOF_TIMEOUT_S)) as response:
+            async with await node_post(url + NODE_PROOF_PATH, json={'nonce': nonce},
+                                       timeout=aiohttp.ClientTimeout(total=PROOF_TIMEOUT_S)) as response:
                 proof = parse_proof(parse_json(await response.content.read(MAX_PROOF_ANSWER_BYTES)))
             proven = proves_key(proof, key, nonce, url, resolved)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
@@ -132,9 +170,9 @@ async def free_prefill_session(p_url: str, owner: int, reason: str) -> bool:
 
     free = DistServeCacheFreeRequest(remote_engine_id=p_url, remote_session_id=owner)
     try:
-        async with node_client().post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
-                                      headers=await node_credentials_for(p_url),
-                                      timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as response:
+        async with await node_post(f'{p_url}{FREE_PATH}', json=free.model_dump(mode='json'),
+                                   headers=await node_credentials_for(p_url),
+                                   timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT_S)) as response:
             await response.read()
             if response.status == HTTPStatus.OK:
                 return True

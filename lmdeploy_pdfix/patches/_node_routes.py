@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_owner_id
-from lmdeploy_pdfix.patches._client import UnprovenNodeError, node_client, node_credentials_for
+from lmdeploy_pdfix.patches._client import UnprovenNodeError, node_client, node_credentials_for, node_post
 from lmdeploy_pdfix.patching import PatchState, installation, warn
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict, remember_recent
 from lmdeploy_pdfix.protocol import (
@@ -391,9 +391,9 @@ async def _claim_refusal(order: MigrationOrder, error_response) -> JSONResponse 
 
 async def _claim(prefill: str, claim: Claim) -> tuple[int, str | None]:
     try:
-        async with node_client().post(f'{prefill}{CLAIM_PATH}', json=claim_body(claim),
-                                      headers=await node_credentials_for(prefill),
-                                      timeout=aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)) as response:
+        async with await node_post(f'{prefill}{CLAIM_PATH}', json=claim_body(claim),
+                                   headers=await node_credentials_for(prefill),
+                                   timeout=aiohttp.ClientTimeout(total=CLAIM_TIMEOUT_S)) as response:
             status, text = response.status, await response.text()
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return HTTPStatus.BAD_GATEWAY, f'cannot confirm the cache with Prefill node {prefill}: {exc!r}'

@@ -31,6 +31,7 @@ from lmdeploy_pdfix.patches._client import (
     free_prefill_session,
     node_client,
     node_credentials_for,
+    node_post,
     not_pooled_after_an_error,
 )
 from lmdeploy_pdfix.patching import lmdeploy_logger
@@ -159,8 +160,8 @@ class _Relay:
         """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
         start = self.begin_call(url)
         try:
-            async with node_client().post(url + self.path, json=payload, headers=self.credentials,
-                                          timeout=self.nodes.aiotimeout) as response:
+            async with await node_post(url + self.path, json=payload, headers=self.credentials,
+                                       timeout=self.nodes.aiotimeout) as response:
                 not_pooled_after_an_error(response)
                 return response.status, await response.text()
         finally:
@@ -536,8 +537,8 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
             await relay.release('Decode stream ended before any token')
 
     try:
-        response = await node_client().post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials,
-                                            timeout=relay.nodes.aiotimeout)
+        response = await node_post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials,
+                                   timeout=relay.nodes.aiotimeout)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         await settle(False)
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
