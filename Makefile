@@ -21,9 +21,9 @@ $(VENVS)/lmdeploy-%/.requirements: requirements/cpu-serving.txt requirements/dev
 	$(VENVS)/lmdeploy-$*/bin/pip install -q --no-deps lmdeploy==$*
 	touch $@
 
-install-%: system-deps $(VENVS)/lmdeploy-%/.requirements  ## this package, as a wheel, into one venv
-	$(VENVS)/lmdeploy-$*/bin/pip install -q --no-deps --force-reinstall .
-	@rm -rf build *.egg-info  # setuptools builds in the tree; stale metadata here would shadow the wheel's
+install-%: system-deps $(VENVS)/lmdeploy-%/.requirements  ## this package and the test-only emulation (sim/), as wheels
+	$(VENVS)/lmdeploy-$*/bin/pip install -q --no-deps --force-reinstall . ./sim
+	@rm -rf build *.egg-info sim/build sim/*.egg-info  # setuptools builds in the tree; stale metadata would shadow the wheels
 
 env: $(foreach v,$(LMDEPLOY_VERSIONS),install-$(v))  ## every venv, with this package installed
 
@@ -49,4 +49,4 @@ lint: install-$(DEMO_LMDEPLOY)
 	$(VENVS)/lmdeploy-$(DEMO_LMDEPLOY)/bin/ruff check .
 
 clean:
-	rm -rf $(VENVS) build dist *.egg-info
+	rm -rf $(VENVS) build dist *.egg-info sim/build sim/*.egg-info

@@ -1,13 +1,15 @@
 """Build glue that setup.cfg cannot express: the start-up hook at the wheel root, and the LMDeploy extra."""
 
 import ast
+import sys
 from pathlib import Path
 
 from setuptools import setup
-from setuptools.command.build_py import build_py
 
-HERE = Path(__file__).parent
-STARTUP_HOOK = 'lmdeploy_pdfix.pth'
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # setuptools' isolated build does not put the project on the path
+
+from setup_hooks import build_py_with_startup_hook  # noqa: E402
 
 
 def lmdeploy_requirement() -> str:
@@ -19,19 +21,7 @@ def lmdeploy_requirement() -> str:
     raise RuntimeError('LMDEPLOY_REQUIREMENT not found in lmdeploy_pdfix/compat.py')
 
 
-class BuildWithStartupHook(build_py):
-    """Places the .pth next to the package, i.e. at the root of purelib once installed."""
-
-    def run(self):
-        super().run()
-        self.copy_file(str(HERE / STARTUP_HOOK), str(Path(self.build_lib) / STARTUP_HOOK), preserve_mode=0)
-
-    def get_outputs(self, include_bytecode=True):
-        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / STARTUP_HOOK)]
-
-
 setup(
-    cmdclass={'build_py': BuildWithStartupHook},
-    # plot: `lmdeploy-pdfix soak` draws its samples with matplotlib
-    extras_require={'lmdeploy': [lmdeploy_requirement()], 'plot': ['matplotlib']},
+    cmdclass={'build_py': build_py_with_startup_hook(HERE / 'lmdeploy_pdfix.pth')},
+    extras_require={'lmdeploy': [lmdeploy_requirement()]},
 )

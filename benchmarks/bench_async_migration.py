@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cluster import prefill_sessions, sequential

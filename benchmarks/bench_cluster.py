@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
-from lmdeploy_pdfix.soak import percentile
+from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim.soak import percentile
 
 CONCURRENCIES = (1, 8, 64)
 WARM_UP_REQUESTS = 200  # at concurrency 8, before a cluster's loads are measured: its first requests cost more

@@ -20,8 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, Process, stop_processes, wait_http_ok
-from lmdeploy_pdfix.sim.hooks import RAW_START_ENV
+from lmdeploy_pdfix_sim import settings as sim_settings
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig, Process, stop_processes, wait_http_ok
 
 CAUSES = ('EOFError', 'BrokenPipeError', 'ConnectionResetError', 'RPCServerDeadError')
 START_TIMEOUT_S = 240.0
@@ -53,7 +53,7 @@ def start_round(cluster: Cluster, count: int, first: int) -> list[tuple[Process,
 
 
 def run_mode(mode: str, starts: int, at_once: int, root: Path) -> dict[str, Any]:
-    env = {RAW_START_ENV: '1'} if mode == 'stock' else {}
+    env = {sim_settings.RAW_START: '1'} if mode == 'stock' else {}
     config = ClusterConfig(prefill=0, decode=0, stock=mode == 'stock', warmup=False, env=env,
                            log_dir=root / mode, model_dir=root / 'model')
     failures: Counter[str] = Counter()

@@ -24,8 +24,8 @@ from typing import Any
 
 import aiohttp
 
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
 
 SAMPLE_S = 0.05
 

@@ -1,7 +1,7 @@
 """Chaos soak (issue 9): clients that leave under load, Prefill rejections and a Decode restart, stock vs patched.
 
 For each seed, a fresh GPU-free 1P+1D cluster (patched, and with ``--stock`` a stock one too) takes
-``--requests`` requests at ``--concurrency`` from :mod:`lmdeploy_pdfix.sim.chaos`'s clients, while its Decode
+``--requests`` requests at ``--concurrency`` from :mod:`lmdeploy_pdfix_sim.chaos`'s clients, while its Decode
 node is killed and restarted ``--decode-restarts`` times at random points. Each run ends with the operator's
 checks of ``lmdeploy-pdfix soak --chaos``: answers with HTTP 200 and a wrong text, Prefill sessions left,
 unhealthy or unregistered nodes, 10 exact requests afterwards. Prints one JSON object per run on stdout and
@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from lmdeploy_pdfix.compat import lmdeploy_version
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
-from lmdeploy_pdfix.soak import _parser as soak_parser
-from lmdeploy_pdfix.soak import discover_nodes, run_chaos
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim.soak import _parser as soak_parser
+from lmdeploy_pdfix_sim.soak import discover_nodes, run_chaos
 
 HEARTBEAT_S = 5  # the proxy's heartbeat period in these runs (LMDeploy's default is 90 s)
 

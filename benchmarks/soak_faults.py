@@ -1,7 +1,7 @@
 """Soak a GPU-free 1P+1D cluster with injected faults; every Prefill must end with nothing retained.
 
 Mixed completions / chat / streamed chat and completions, ``--concurrency`` at a time. A share of the requests is
-faulty: the client faults of :mod:`lmdeploy_pdfix.sim.chaos` (clients that leave right after sending, after the
+faulty: the client faults of :mod:`lmdeploy_pdfix_sim.chaos` (clients that leave right after sending, after the
 first chunk or mid-stream, give up, or send what the Prefill rejects). ``--engine-fault-rate`` adds engine-side
 faults (issue 5): a KV transfer that fails, a preserved Prefill request dropped while the engine is busy (D4), a
 hand-made ``migration_request`` (D5), a Prefill cache nobody takes (reclaimed after the orphan TTL) and a free of
@@ -22,10 +22,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.sim import chaos, client, faults
-from lmdeploy_pdfix.sim.chaos import CLIENT_FAULTS, Outcome
-from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster, ClusterConfig, http_json
-from lmdeploy_pdfix.soak import Sampler, discover_nodes, percentile, write_samples
+from lmdeploy_pdfix_sim import chaos, client, faults
+from lmdeploy_pdfix_sim.chaos import CLIENT_FAULTS, Outcome
+from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster, ClusterConfig, http_json
+from lmdeploy_pdfix_sim.soak import Sampler, discover_nodes, percentile, write_samples
 
 ENGINE_FAULTS = ('transfer_fails', 'cancelled_prefill', 'bad_migration', 'orphan', 'unknown_free')
 ORPHAN_TTL_S = 5.0  # short, so the soak's orphans are reclaimed before it ends

@@ -90,9 +90,5 @@ def run_from_startup() -> None:
     try:
         if settings.enabled():
             install_patches()
-        if settings.sim_enabled():
-            from lmdeploy_pdfix.sim import activate
-
-            activate()
     except Exception as exc:
         print(f'lmdeploy-pdfix: start-up hook failed, LMDeploy left stock: {exc!r}', file=sys.stderr)

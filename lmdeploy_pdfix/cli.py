@@ -1,5 +1,5 @@
-"""``lmdeploy-pdfix``: ``status`` of the patches, ``doctor`` of a running cluster, and the GPU-free cluster tools
-(``sim``, ``soak``)."""
+"""``lmdeploy-pdfix``: ``status`` of the patches and ``doctor`` of a running cluster. (The GPU-free cluster and
+its load loop are ``lmdeploy-pdfix-sim``, of the test-only ``lmdeploy-pdfix-sim`` distribution.)"""
 
 from __future__ import annotations
 
@@ -121,14 +121,6 @@ def _seconds(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ['sim']:
-        from lmdeploy_pdfix.sim.cli import main as sim_main
-
-        return sim_main(argv[1:])
-    if argv[:1] == ['soak']:
-        from lmdeploy_pdfix.soak import main as soak_main
-
-        return soak_main(argv[1:])
     parser = argparse.ArgumentParser(prog='lmdeploy-pdfix', description=__doc__)
     commands = parser.add_subparsers(dest='command', required=True)
     status_parser = commands.add_parser('status', help='LMDeploy version, toggle and the state of every patch')
@@ -139,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     doctor_parser.add_argument('--proxy', required=True, help='the proxy URL, e.g. http://127.0.0.1:8000')
     doctor_parser.add_argument('--json', action='store_true', help='machine-readable output')
     doctor_parser.add_argument('--timeout', type=_seconds, default=5.0, help='seconds to wait for each answer')
-    commands.add_parser('sim', help='GPU-free DistServe cluster: sim up|status|down (see sim --help)')
-    commands.add_parser('soak', help='load loop against a DistServe proxy (see soak --help)')
     args = parser.parse_args(argv)
     if args.command == 'doctor':
         from lmdeploy_pdfix.doctor import doctor

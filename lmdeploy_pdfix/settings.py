@@ -1,9 +1,10 @@
-"""Every ``LMDEPLOY_PDFIX*`` switch, declared once: name, default, bounds, a sentence of help, the patches it tunes.
+"""Every ``LMDEPLOY_PDFIX*`` switch an operator sets, declared once: name, default, bounds, help, the patches it tunes.
 
 Standard library only: read at interpreter start-up. A value that does not parse or lies outside its bounds
 never raises where it is read (an engine or event loop): it reads as its default, the bootstrap logs it once,
 and the patches it tunes stay stock (:func:`problem_for`). The README's table of switches is checked against
-this module by a test.
+this module by a test. The emulation's switches (``LMDEPLOY_PDFIX_SIM*``) belong to the test-only
+``lmdeploy_pdfix_sim`` distribution, not to this package.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 
 TOGGLE = 'LMDEPLOY_PDFIX'
 DISABLE = 'LMDEPLOY_PDFIX_DISABLE'
-SIM_TOGGLE = 'LMDEPLOY_PDFIX_SIM'
 
 _TRUE = frozenset({'1', 'true', 'yes', 'on'})
 
@@ -195,11 +195,6 @@ def is_truthy(value: str | None) -> bool:
 def enabled() -> bool:
     """Whether the operator switched the fixes on (``LMDEPLOY_PDFIX=1``)."""
     return is_truthy(os.environ.get(TOGGLE))
-
-
-def sim_enabled() -> bool:
-    """Whether this interpreter belongs to a GPU-free emulated cluster node."""
-    return is_truthy(os.environ.get(SIM_TOGGLE))
 
 
 def disabled_patches() -> frozenset[str]:

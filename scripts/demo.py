@@ -12,8 +12,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lmdeploy_pdfix.sim import client, faults
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, prefill_forwards
+from lmdeploy_pdfix_sim import client, faults
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig, prefill_forwards
 
 MAX_PREFILL = 512
 LONG_PROMPT = 1500

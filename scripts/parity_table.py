@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
 from tests.parity import NODE_ARGS, Case, answer, cases, differences, protocol_fields, send
 
 

@@ -23,16 +23,17 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.registry import PATCHES
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
-from lmdeploy_pdfix.sim.misshape import MISSHAPE_ENV, misshapen_target
-from lmdeploy_pdfix.soak import _parser as soak_parser
-from lmdeploy_pdfix.soak import discover_nodes, run_chaos
+from lmdeploy_pdfix_sim import settings as sim_settings
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim.misshape import misshapen_target
+from lmdeploy_pdfix_sim.soak import _parser as soak_parser
+from lmdeploy_pdfix_sim.soak import discover_nodes, run_chaos
 
 
 def switches(unit: str, refuse: bool) -> dict[str, str]:
     """The environment that disables ``unit``, or that has its guard refuse it."""
     if refuse:
-        return {settings.SIM_TOGGLE: '1', MISSHAPE_ENV: misshapen_target(unit)}
+        return {sim_settings.TOGGLE: '1', sim_settings.MISSHAPE: misshapen_target(unit)}
     return {settings.DISABLE: unit}
 
 

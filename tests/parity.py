@@ -18,8 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from lmdeploy_pdfix.sim import model
-from lmdeploy_pdfix.sim.cluster import MODEL_NAME
+from lmdeploy_pdfix_sim import model
+from lmdeploy_pdfix_sim.cluster import MODEL_NAME
 
 PROMPT = 'parity: tell me about the weather in paris.'
 MAX_TOKENS = 8

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lmdeploy_pdfix.registry import ENTRY_POINT_GROUP, PATCHES
-from lmdeploy_pdfix.sim.misshape import misshapen_target
+from lmdeploy_pdfix_sim.misshape import misshapen_target
 
 TARGET = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
 
@@ -235,7 +235,7 @@ def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_appli
     code = textwrap.dedent(f"""
         import importlib, json
         import lmdeploy.pytorch.engine.engine  # LMDeploy's own import order: engine_conn alone is circular
-        from lmdeploy_pdfix.sim.misshape import is_untouched, misshape
+        from lmdeploy_pdfix_sim.misshape import is_untouched, misshape
         module = importlib.import_module({module_name!r})
         misshapen = misshape(module, {path!r})
         import lmdeploy_pdfix

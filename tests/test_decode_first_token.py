@@ -16,7 +16,7 @@ import pytest
 from lmdeploy.messages import ResponseType
 from lmdeploy.pytorch.messages import MessageStatus
 
-from lmdeploy_pdfix.sim import model
+from lmdeploy_pdfix_sim import model
 from tests.test_engine_connections import other_tasks_done
 from tests.test_migration_faults import FIRST_TOKEN, DecodeNode, make_decode_node
 

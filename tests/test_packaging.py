@@ -1,19 +1,23 @@
-"""What a release ships: ``python -m build`` gives an sdist and a wheel, and either installs the start-up hook.
+"""What a release ships: ``python -m build`` gives an sdist and a wheel, and either installs the start-up hook;
+the GPU-free emulation (the test-only ``sim/`` distribution) is not in them.
 
 Built without build isolation (no download), installed with ``--no-deps`` into fresh virtual environments.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOK = 'lmdeploy_pdfix.pth'
+EMULATION_MODULES = {'sim', 'lmdeploy_pdfix_sim', 'soak', 'misshape', 'chaos', 'forward', 'hooks', 'faults'}
 
 
 def run(*args: str | Path, cwd: Path | None = None) -> None:
@@ -63,3 +67,26 @@ def test_installing_puts_the_start_up_hook_at_the_site_packages_root(dist: Path,
     hook = installed_hook(tmp_path, wheel)
     assert hook.is_file()
     assert hook.read_text() == (ROOT / HOOK).read_text()
+
+
+def test_the_wheel_carries_no_emulation(dist: Path) -> None:
+    # the GPU-free cluster replaces the model forward: on a GPU node it would answer made-up text with HTTP 200
+    wheel, = dist.glob('*.whl')
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    emulation = [name for name in names if EMULATION_MODULES & {*Path(name).parts, Path(name).stem}]
+    assert emulation == [] and 'lmdeploy_pdfix/cli.py' in names
+
+
+def test_with_only_the_wheel_installed_the_emulation_switch_does_nothing(dist: Path, tmp_path: Path) -> None:
+    wheel, = dist.glob('*.whl')
+    python = installed_hook(tmp_path, wheel).parents[3] / 'bin' / 'python'
+    loaded = subprocess.run(
+        [python, '-c', 'import importlib.util, json, sys; print(json.dumps([sorted(sys.modules), '
+                       'importlib.util.find_spec("lmdeploy_pdfix_sim") is not None]))'],
+        env={'PATH': '/usr/bin:/bin', 'LMDEPLOY_PDFIX': '1', 'LMDEPLOY_PDFIX_SIM': '1'},
+        capture_output=True, text=True, check=True)
+    modules, emulation_found = json.loads(loaded.stdout)
+    assert 'lmdeploy_pdfix._bootstrap' in modules  # the start-up hook ran
+    assert [name for name in modules if EMULATION_MODULES & set(name.split('.'))] == []
+    assert not emulation_found

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lmdeploy_pdfix import soak
-from lmdeploy_pdfix.progress import ProgressLine, live
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.soak import LoadProgress
+from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.progress import ProgressLine, live
+from lmdeploy_pdfix_sim.soak import LoadProgress
 
 
 class FakeTerminal(io.StringIO):

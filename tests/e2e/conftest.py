@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig
 
 MAX_PREFILL_TOKEN_NUM = 512
 MODES = ('stock', 'patched')

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.soak import _parser as soak_parser
-from lmdeploy_pdfix.soak import discover_nodes, run_chaos
+from lmdeploy_pdfix_sim.soak import _parser as soak_parser
+from lmdeploy_pdfix_sim.soak import discover_nodes, run_chaos
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import Cluster, prefill_forwards
+from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.cluster import Cluster, prefill_forwards
 from tests.e2e.conftest import MAX_PREFILL_TOKEN_NUM
 
 pytestmark = pytest.mark.e2e

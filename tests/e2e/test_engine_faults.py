@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from lmdeploy_pdfix.protocol import AUDIT_PATH
-from lmdeploy_pdfix.sim import client, faults
-from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster
+from lmdeploy_pdfix_sim import client, faults
+from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster
 from tests.e2e.conftest import MODES
 from tests.e2e.test_failure_paths import Answer, assert_serving, get, post
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.sim import client, faults
-from lmdeploy_pdfix.sim.cluster import Cluster
+from lmdeploy_pdfix_sim import client, faults
+from lmdeploy_pdfix_sim.cluster import Cluster
 from tests.e2e.conftest import MODES
 from tests.e2e.test_engine_faults import migration_request, preserve_directly, restart
 from tests.e2e.test_failure_paths import get, post

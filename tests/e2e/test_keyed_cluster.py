@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from lmdeploy_pdfix.protocol import AUDIT_PATH, CLAIM_PATH, FREE_PATH
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import Cluster
+from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.cluster import Cluster
 from tests.e2e.conftest import MODES
 from tests.e2e.test_failure_paths import KINDS, get, post
 

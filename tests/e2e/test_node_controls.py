@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from lmdeploy_pdfix.protocol import AUDIT_PATH
-from lmdeploy_pdfix.sim import client, faults
-from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster
+from lmdeploy_pdfix_sim import client, faults
+from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster
 from tests.e2e.conftest import MODES
 from tests.e2e.test_engine_faults import prefill_sessions, restart
 from tests.e2e.test_failure_paths import KINDS, Answer, get, post

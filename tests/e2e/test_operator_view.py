@@ -22,8 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, FREE_PATH
-from lmdeploy_pdfix.sim import client, faults
-from lmdeploy_pdfix.sim.cluster import Cluster
+from lmdeploy_pdfix_sim import client, faults
+from lmdeploy_pdfix_sim.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lmdeploy_pdfix.sim import client
+from lmdeploy_pdfix_sim import client
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.sim import client
-from lmdeploy_pdfix.sim.cluster import MODEL_NAME, Cluster, http_json
+from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster, http_json
 from tests.e2e.conftest import MODES
 from tests.parity import (
     NODE_ARGS,

@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
-from lmdeploy_pdfix.sim.cluster import Cluster
-from lmdeploy_pdfix.sim.model import expected_text_for
+from lmdeploy_pdfix_sim.cluster import Cluster
+from lmdeploy_pdfix_sim.model import expected_text_for
 
 pytestmark = pytest.mark.e2e
 

@@ -1,21 +1,25 @@
 """GPU-free DistServe cluster: the real LMDeploy serving stack with an emulated model forward.
 
-``activate()`` runs from the start-up hook in every interpreter where ``LMDEPLOY_PDFIX_SIM=1`` (so also in
-LMDeploy's spawned engine process). It only registers post-import hooks; the substitutions themselves live
-in ``lmdeploy_pdfix.sim.hooks`` and are imported when their LMDeploy (or torch) module is.
+A test-only distribution (``lmdeploy-pdfix-sim``, installed by ``make test`` and ``make demo``, never by ``pip
+install lmdeploy-pdfix``). Its own start-up hook (``lmdeploy_pdfix_sim.pth``) runs :func:`run_from_startup` in
+every interpreter, so :func:`activate` runs where ``LMDEPLOY_PDFIX_SIM=1`` (so also in LMDeploy's spawned engine
+process), after the shipped package's hook (``.pth`` files run in name order). It only registers post-import
+hooks; the substitutions themselves live in ``lmdeploy_pdfix_sim.hooks`` and are imported when their LMDeploy
+(or torch) module is.
 Standard library only at import time.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from types import ModuleType
 
 from lmdeploy_pdfix._import_hooks import when_imported
-from lmdeploy_pdfix.sim import misshape
+from lmdeploy_pdfix_sim import misshape, settings
 
-# module watched → name of the function in lmdeploy_pdfix.sim.hooks that substitutes in it
+# module watched → name of the function in lmdeploy_pdfix_sim.hooks that substitutes in it
 _SUBSTITUTIONS = {
     'torch': 'install_cuda_shims',
     'lmdeploy.pytorch.backends.selector': 'substitute_backend_selector',
@@ -34,7 +38,7 @@ _activated = False
 
 
 def _substitute(hook_name: str, module: ModuleType) -> None:
-    hooks = importlib.import_module('lmdeploy_pdfix.sim.hooks')
+    hooks = importlib.import_module('lmdeploy_pdfix_sim.hooks')
     getattr(hooks, hook_name)(module)
 
 
@@ -50,4 +54,12 @@ def activate() -> None:
         when_imported(module_name, lambda module, hook_name=hook_name: _substitute(hook_name, module))
 
 
-__all__ = ['activate']
+def run_from_startup() -> None:
+    try:
+        if settings.enabled():
+            activate()
+    except Exception as exc:
+        print(f'lmdeploy-pdfix-sim: start-up hook failed, no emulation: {exc!r}', file=sys.stderr)
+
+
+__all__ = ['activate', 'run_from_startup']

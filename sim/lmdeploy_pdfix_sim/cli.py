@@ -1,4 +1,5 @@
-"""``lmdeploy-pdfix sim up|status|down``: a GPU-free DistServe cluster that outlives the command.
+"""``lmdeploy-pdfix-sim up|status|down``: a GPU-free DistServe cluster that outlives the command; ``soak``: a
+load loop against a DistServe proxy.
 
 ``up`` records what it started in ``.sim/cluster.json`` under the current directory; ``down`` stops exactly
 those process groups. On a terminal ``up`` shows a live line on stderr while the cluster starts.
@@ -13,15 +14,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lmdeploy_pdfix.progress import live
-from lmdeploy_pdfix.sim.cluster import Cluster, ClusterConfig, stop_processes
+from lmdeploy_pdfix_sim.cluster import Cluster, ClusterConfig, stop_processes
+from lmdeploy_pdfix_sim.progress import live
 
 STATE_DIR = Path('.sim')
 STATE_FILE = STATE_DIR / 'cluster.json'
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='lmdeploy-pdfix sim', description=__doc__)
+    parser = argparse.ArgumentParser(prog='lmdeploy-pdfix-sim', description=__doc__)
     sub = parser.add_subparsers(dest='command', required=True)
     up = sub.add_parser('up', help='start proxy + Prefill + Decode nodes and wait until healthy')
     up.add_argument('--prefill', type=int, default=1)
@@ -34,12 +35,13 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument('--python', default=sys.executable, help='interpreter of the venv holding LMDeploy')
     sub.add_parser('status', help='show the recorded cluster and each node state')
     sub.add_parser('down', help='stop the recorded cluster')
+    sub.add_parser('soak', help='load loop against a DistServe proxy (see soak --help)')
     return parser
 
 
 def _up(args: argparse.Namespace) -> int:
     if STATE_FILE.exists():
-        print(f'a cluster is already recorded in {STATE_FILE}; run `sim down` first', file=sys.stderr)
+        print(f'a cluster is already recorded in {STATE_FILE}; run `lmdeploy-pdfix-sim down` first', file=sys.stderr)
         return 1
     config = ClusterConfig(prefill=args.prefill, decode=args.decode, stock=args.stock,
                            max_prefill_token_num=args.max_prefill_token_num, num_blocks=args.num_blocks,
@@ -100,10 +102,15 @@ def _down(_: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ['soak']:
+        from lmdeploy_pdfix_sim.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = _parser().parse_args(argv)
     return {'up': _up, 'status': _status, 'down': _down}[args.command](args)
 
 
 if __name__ == '__main__':
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -10,10 +10,10 @@ migration waiting in a busy Decode's queue would; ``migration_loop_end`` ends a 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-FAULTS_ENV = 'LMDEPLOY_PDFIX_SIM_FAULTS'
+from lmdeploy_pdfix_sim import settings
+
 SLOW_PREFILL = 'slow_prefill'
 MIGRATE_ERROR = 'migrate_error'
 SLOW_MIGRATE = 'slow_migrate'
@@ -31,7 +31,7 @@ def arm(folder: Path, fault: str, content: str = '') -> None:
 
 def take(fault: str) -> str | None:
     """The armed fault's content (and disarm it), or None if ``fault`` is not armed in this node."""
-    folder = os.environ.get(FAULTS_ENV)
+    folder = settings.faults_folder()
     if not folder:
         return None
     path = Path(folder) / fault

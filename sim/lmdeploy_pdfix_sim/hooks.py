@@ -10,19 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import time
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from lmdeploy_pdfix.sim import faults, forward, state
+from lmdeploy_pdfix_sim import faults, forward, settings, state
 
 _FAKE_FREE_MEM = 8 << 30
 _LOOPBACK = '127.0.0.1'
-NUM_BLOCKS_ENV = 'LMDEPLOY_PDFIX_SIM_NUM_BLOCKS'
-DROP_KV_ENV = 'LMDEPLOY_PDFIX_SIM_DROP_KV'
 
 
 class _SimStream:
@@ -144,7 +141,7 @@ def substitute_block_count(executor_base: ModuleType) -> None:
 
     @functools.wraps(original)
     def update_configs(self) -> None:
-        blocks = int(os.environ.get(NUM_BLOCKS_ENV, '0') or 0)
+        blocks = settings.num_blocks()
         if blocks and not self.cache_config.num_gpu_blocks:
             self.cache_config.num_gpu_blocks = blocks
         original(self)
@@ -203,7 +200,7 @@ def substitute_mooncake(mooncake: ModuleType) -> None:
             raise faults.InjectedFault('injected KV transfer failure')
         # blocks the Decode engine's loop, as LMDeploy's synchronous copy does (a worker thread in async mode)
         time.sleep(float(faults.take(faults.SLOW_MIGRATE) or 0))
-        if os.environ.get(DROP_KV_ENV) == '1':
+        if settings.drops_kv():
             # Negative control: the Decode never receives the Prefill's KV, the answer must not match.
             state.count('migrations_dropped')
             return
@@ -228,18 +225,15 @@ def substitute_migration_schedule(scheduler: ModuleType) -> None:
     setattr(cls, name, schedule_migration)
 
 
-RAW_START_ENV = 'LMDEPLOY_PDFIX_SIM_RAW_START'  # 1: a stock node starts as LMDeploy's does, race included (D22)
-
-
 def substitute_engine_start(zmq_engine: ModuleType) -> None:
     """A stock node gets the start-up fix of ``engine_start`` too, so that stock clusters start reliably on 2
     loaded cores (about one start in three lost the race); a patched node gets it from that unit itself.
-    ``bench_starts`` sets ``RAW_START_ENV`` to measure the race as released."""
-    from lmdeploy_pdfix import settings
+    ``bench_starts`` sets ``LMDEPLOY_PDFIX_SIM_RAW_START`` to measure the race as released."""
+    from lmdeploy_pdfix import settings as switches
     from lmdeploy_pdfix.patches.engine_start import PATCH
 
-    unit_applies = settings.enabled() and PATCH.name not in settings.disabled_patches()
-    if not unit_applies and not settings.is_truthy(os.environ.get(RAW_START_ENV)):
+    unit_applies = switches.enabled() and PATCH.name not in switches.disabled_patches()
+    if not unit_applies and not settings.raw_start():
         PATCH.apply(zmq_engine)
 
 

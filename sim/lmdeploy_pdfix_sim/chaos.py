@@ -12,7 +12,7 @@ Decode wedge and the wrong answers of issue 9):
 - ``gives_up``: a completion whose client times out before any answer;
 - ``prefill_rejects``: a request the Prefill node refuses (``top_p`` out of range).
 
-Standard library only, like :mod:`lmdeploy_pdfix.sim.client`.
+Standard library only, like :mod:`lmdeploy_pdfix_sim.client`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from lmdeploy_pdfix.sim import client
+from lmdeploy_pdfix_sim import client
 
 NORMAL_KINDS = client.KINDS
 CLIENT_FAULTS = ('leaves_at_once', 'leaves_after_first_chunk', 'leaves_mid_stream', 'gives_up', 'prefill_rejects')

@@ -1,11 +1,11 @@
-"""``lmdeploy-pdfix soak``: a bounded load loop against any DistServe proxy.
+"""``lmdeploy-pdfix-sim soak``: a bounded load loop against any DistServe proxy.
 
 Sends N requests (C at a time, a mix of completions, chat and streaming chat), checks each answer's text
 where the nodes run the emulated model, and reports success counts and latency percentiles. Nodes that
 expose the sim state endpoint are sampled while it runs: Prefill/Decode sessions, free KV blocks and RSS go
 to a CSV and a PNG plot.
 
-``--chaos`` makes clients behave as they do under real load (:mod:`lmdeploy_pdfix.sim.chaos`): a share of
+``--chaos`` makes clients behave as they do under real load (:mod:`lmdeploy_pdfix_sim.chaos`): a share of
 them leave right after sending, after the first chunk or mid-stream, give up, or send what the Prefill
 rejects, at random; ``--decode-restarts`` kills and restarts the Decode node of the cluster ``sim up``
 recorded at random points. It then checks what an operator needs: no answer with HTTP 200 and a wrong text,
@@ -30,16 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.progress import live
 from lmdeploy_pdfix.protocol import AUDIT_PATH
-from lmdeploy_pdfix.sim import chaos, client
-from lmdeploy_pdfix.sim.cluster import STATE_ROUTE, Cluster, http_json
+from lmdeploy_pdfix_sim import chaos, client
+from lmdeploy_pdfix_sim.cluster import STATE_ROUTE, Cluster, http_json
+from lmdeploy_pdfix_sim.progress import live
 
 SAMPLE_FIELDS = ('t_s', 'node', 'role', 'sessions', 'free_blocks', 'api_server_rss_mb', 'engine_rss_mb')
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog='lmdeploy-pdfix soak', description=__doc__)
+    parser = argparse.ArgumentParser(prog='lmdeploy-pdfix-sim soak', description=__doc__)
     parser.add_argument('--proxy', required=True, help='proxy URL, e.g. http://127.0.0.1:8000')
     parser.add_argument('--requests', type=int, required=True)
     parser.add_argument('--concurrency', type=int, default=1)
@@ -366,7 +366,7 @@ def _main_chaos(args: argparse.Namespace) -> int:
         print('--requests must be positive and --fault-rate within 0..1', file=sys.stderr)
         return 2
     if args.decode_restarts > 0 and not args.cluster_file.exists():
-        print(f'--decode-restarts needs a cluster recorded by `lmdeploy-pdfix sim up` ({args.cluster_file})',
+        print(f'--decode-restarts needs a cluster recorded by `lmdeploy-pdfix-sim up` ({args.cluster_file})',
               file=sys.stderr)
         return 2
     restart = _recorded_decode_restart(args.cluster_file) if args.decode_restarts > 0 else None

@@ -23,7 +23,8 @@ from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.protocol import bearer
-from lmdeploy_pdfix.sim import faults, model
+from lmdeploy_pdfix_sim import faults, model
+from lmdeploy_pdfix_sim import settings as sim_settings
 
 HOST = '127.0.0.1'
 MODEL_NAME = 'pdfix-sim'
@@ -165,7 +166,7 @@ class Cluster:
         log = self.config.log_dir / f'{name}.log'
         state_file = None if role == 'Proxy' else str((self.config.log_dir / f'{name}.state.json').resolve())
         env = self._env(role, state_file)
-        env[faults.FAULTS_ENV] = str(self._faults_dir(name))
+        env[sim_settings.FAULTS] = str(self._faults_dir(name))
         with open(log, 'ab' if restart else 'wb') as out:  # a restart appends to the node's log
             # Own session = own process group, so stop() reaches the spawned engine child too.
             popen = subprocess.Popen([self.config.python, '-m', 'lmdeploy', *args], stdout=out,
@@ -178,24 +179,24 @@ class Cluster:
     def _env(self, role: str, state_file: str | None) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
-            'LMDEPLOY_PDFIX_SIM': '1',
+            sim_settings.TOGGLE: '1',
             'LMDEPLOY_ENABLE_CHECK_ENV': '0',
             'LMDEPLOY_SKIP_WARMUP': '1',
-            'LMDEPLOY_PDFIX_SIM_NUM_BLOCKS': str(self.config.num_blocks),
+            sim_settings.NUM_BLOCKS: str(self.config.num_blocks),
             'NO_PROXY': f'{HOST},localhost',
             'no_proxy': f'{HOST},localhost',
         })
-        for var in ('LMDEPLOY_PDFIX', 'LMDEPLOY_PDFIX_SIM_STATE', 'LMDEPLOY_PDFIX_SIM_DROP_KV'):
+        for var in (settings.TOGGLE, sim_settings.STATE, sim_settings.DROP_KV):
             env.pop(var, None)
         if not (self.config.stock or role in self.config.stock_roles):
-            env['LMDEPLOY_PDFIX'] = '1'
+            env[settings.TOGGLE] = '1'
         env.update(self.config.env)
         if self.config.api_key:
             env[settings.NODE_API_KEY.name] = self.config.api_key
         if state_file:
-            env['LMDEPLOY_PDFIX_SIM_STATE'] = state_file
+            env[sim_settings.STATE] = state_file
         if role == 'Decode' and self.config.drop_kv_on_decode:
-            env['LMDEPLOY_PDFIX_SIM_DROP_KV'] = '1'
+            env[sim_settings.DROP_KV] = '1'
         return env
 
     def _wait_registered(self, deadline: float) -> None:
@@ -248,7 +249,7 @@ class Cluster:
         return (self.config.log_dir / 'faults' / name).resolve()
 
     def arm_fault(self, url: str, fault: str, content: str = '') -> None:
-        """Arm a one-shot fault (see :mod:`lmdeploy_pdfix.sim.faults`) in the node serving ``url``."""
+        """Arm a one-shot fault (see :mod:`lmdeploy_pdfix_sim.faults`) in the node serving ``url``."""
         faults.arm(self._faults_dir(self.process(url).name), fault, content)
 
     def wait_fault_taken(self, url: str, fault: str, timeout_s: float = 10.0) -> None:

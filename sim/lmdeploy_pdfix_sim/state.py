@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATE_ENV = 'LMDEPLOY_PDFIX_SIM_STATE'
+from lmdeploy_pdfix_sim import settings
+
 ROUTE = '/distserve/pdfix/sim/state'
 PUBLISH_PERIOD_S = 0.1
 
@@ -89,7 +90,7 @@ def _publish_forever(engine: Any, path: Path) -> None:
 
 def start_publisher(engine: Any) -> None:
     """Called in the engine process once the Engine exists; a no-op without a state path."""
-    path = os.environ.get(STATE_ENV)
+    path = settings.state_file()
     if not path:
         return
     thread = threading.Thread(target=_publish_forever, args=(engine, Path(path)), name='pdfix-sim-state',
@@ -99,7 +100,7 @@ def start_publisher(engine: Any) -> None:
 
 def read_endpoint() -> dict[str, Any]:
     """The api_server route: the engine's latest snapshot plus both processes' RSS."""
-    path = os.environ.get(STATE_ENV)
+    path = settings.state_file()
     data: dict[str, Any] = {}
     if path:
         try:

@@ -8,13 +8,11 @@ does it in every process of a GPU-free cluster, before anything of LMDeploy is i
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix._import_hooks import when_imported
-
-MISSHAPE_ENV = 'LMDEPLOY_PDFIX_SIM_MISSHAPE'
+from lmdeploy_pdfix_sim import settings
 
 # proxy_distserve and proxy_warmups declare only routes, which no guard can misread; each checks a function too.
 # proxy_metrics reads no function of LMDeploy: what would stop it is an upstream proxy serving /metrics itself
@@ -81,11 +79,11 @@ def is_untouched(module: ModuleType, path: str, misshapen: Any) -> bool:
 
 def activate() -> None:
     """Misshape the function the environment names, ahead of every unit's import hook."""
-    target = os.environ.get(MISSHAPE_ENV)
+    target = settings.misshapen_target()
     if not target:
         return
     module_name, path = target.split(':')
     when_imported(module_name, lambda module: misshape(module, path), first=True)
 
 
-__all__ = ['MISSHAPE_ENV', 'activate', 'is_untouched', 'misshape', 'misshapen_target', 'owner_of']
+__all__ = ['activate', 'is_untouched', 'misshape', 'misshapen_target', 'owner_of']

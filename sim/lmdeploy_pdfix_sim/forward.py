@@ -1,6 +1,6 @@
 """The emulated forward: writes token signatures into the real KV pool and reads the history back from it.
 
-Mirrors ``lmdeploy_pdfix.sim.model`` exactly (same signature, hash and alphabet), vectorised with torch.
+Mirrors ``lmdeploy_pdfix_sim.model`` exactly (same signature, hash and alphabet), vectorised with torch.
 The next token travels to the sampler as a one-hot logit, so LMDeploy's own sampling picks it whatever the
 sampling parameters.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lmdeploy_pdfix.sim import model, state
+from lmdeploy_pdfix_sim import model, state
 
 _LOGIT = 1e4
 WHITESPACE_IDS = [ord(char) for char in '\t\n\r ']

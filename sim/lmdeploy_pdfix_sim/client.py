@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lmdeploy_pdfix.protocol import bearer
-from lmdeploy_pdfix.sim import model
-from lmdeploy_pdfix.sim.cluster import MODEL_NAME
+from lmdeploy_pdfix_sim import model
+from lmdeploy_pdfix_sim.cluster import MODEL_NAME
 
 KINDS = ('completions', 'chat', 'stream', 'stream_completions')  # 'stream': streamed chat
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
