@@ -3,7 +3,7 @@
 For each seed, a fresh GPU-free 1P+1D cluster (patched, and with ``--stock`` a stock one too) takes
 ``--requests`` requests at ``--concurrency`` from :mod:`lmdeploy_pdfix_sim.chaos`'s clients, while its Decode
 node is killed and restarted ``--decode-restarts`` times at random points. Each run ends with the operator's
-checks of ``lmdeploy-pdfix soak --chaos``: answers with HTTP 200 and a wrong text, Prefill sessions left,
+checks of ``lmdeploy-pdfix-sim soak --chaos``: answers with HTTP 200 and a wrong text, Prefill sessions left,
 unhealthy or unregistered nodes, 10 exact requests afterwards. Prints one JSON object per run on stdout and
 exits non-zero if a patched run is not clean.
 

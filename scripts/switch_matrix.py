@@ -3,7 +3,7 @@
 For every unit of the registry: ``lmdeploy-pdfix status --json`` with ``LMDEPLOY_PDFIX_DISABLE=<unit>``
 (what it says of every unit), then a fresh GPU-free 1P+1D cluster with the same switch taking a mix of
 ``--requests`` requests (completions, chat, both streamed) at concurrency 4, and the operator's checks of
-``lmdeploy-pdfix soak --chaos``: answers with HTTP 200 and a wrong text, Prefill sessions left, node health.
+``lmdeploy-pdfix-sim soak --chaos``: answers with HTTP 200 and a wrong text, Prefill sessions left, node health.
 With ``--refuse`` the unit is not switched off but refused by its own guard: every process of the cluster (and
 ``status``) sees the first LMDeploy function that unit checks replaced by one of another shape.
 Prints one JSON object per unit on stdout.

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmdeploy_pdfix import soak
-from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim import client, soak
 from lmdeploy_pdfix_sim.progress import ProgressLine, live
 from lmdeploy_pdfix_sim.soak import LoadProgress
 

@@ -1,6 +1,6 @@
 """Clients that leave under load, on the real cluster (issue 9): no wrong answer, nothing left, nodes serving.
 
-The chaos of ``lmdeploy-pdfix soak --chaos``, shorter than the benchmark's (``benchmarks/soak_chaos.py``, 10,000
+The chaos of ``lmdeploy-pdfix-sim soak --chaos``, shorter than the benchmark's (``benchmarks/soak_chaos.py``, 10,000
 requests per version): at concurrency 8, clients that leave right after sending, after the first chunk and
 mid-stream, give up, or send what the Prefill rejects, at random, while the Decode node is killed and
 restarted once. The regression tests behind it, which fail on stock, are the deterministic ones in
