@@ -22,7 +22,6 @@ from lmdeploy_pdfix.protocol import CLIENT_CLOSED_REQUEST
 
 PREFIX = 'lmdeploy_pdfix'
 PHASES = ('probe', 'prefill', 'link', 'decode_first_byte', 'total')
-OUTCOMES = ('ok', 'rejected', 'failed', 'client_gone')
 # from a cached capability answer (sub-millisecond) to a Decode queued for minutes
 # the reasons known up front (others appear as they happen): a refusal's HTTP phrase, a failure's kind
 REFUSAL_REASONS = [HTTPStatus(status).phrase for status in (400, 404, 409, 410, 502)]

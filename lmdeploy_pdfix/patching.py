@@ -250,13 +250,21 @@ def first_problem(*problems: str | None) -> str | None:
     return next((problem for problem in problems if problem is not None), None)
 
 
-def installation() -> dict[str, Any]:
-    """What this process runs, for the audit routes and ``doctor``: versions, and the units applied here."""
+def unit_applied(name: str) -> bool:
+    """Whether the unit called ``name`` is applied in this process; asked without importing it (a unit is
+    imported once its target is), so that no unit imports another."""
     import sys
 
+    from lmdeploy_pdfix.registry import BY_NAME
+
+    patch = getattr(sys.modules.get(BY_NAME[name].module), 'PATCH', None)
+    return getattr(patch, 'state', None) is PatchState.APPLIED
+
+
+def installation() -> dict[str, Any]:
+    """What this process runs, for the audit routes and ``doctor``: versions, and the units applied here."""
     from lmdeploy_pdfix import __version__
     from lmdeploy_pdfix.registry import PATCHES
 
-    applied = [spec.name for spec in PATCHES
-               if getattr(getattr(sys.modules.get(spec.module), 'PATCH', None), 'state', None) is PatchState.APPLIED]
+    applied = [spec.name for spec in PATCHES if unit_applied(spec.name)]
     return {'lmdeploy': lmdeploy_version(), 'lmdeploy_pdfix': __version__, 'units': applied}

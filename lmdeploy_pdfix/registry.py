@@ -6,8 +6,6 @@ any patch module (each is imported only once its target has been imported).
 
 from __future__ import annotations
 
-ENTRY_POINT_GROUP = 'lmdeploy_pdfix.patches'
-
 
 class PatchSpec:
     # a plain class: dataclasses or typing.NamedTuple would cost ~10 ms at every interpreter start-up

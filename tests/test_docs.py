@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import configparser
 import sys
 from pathlib import Path
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.cli import status_report
-from lmdeploy_pdfix.registry import BY_NAME, ENTRY_POINT_GROUP, PATCHES
+from lmdeploy_pdfix.registry import BY_NAME, PATCHES
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'scripts'))
@@ -26,14 +25,6 @@ def test_the_readme_lists_every_switch_as_the_settings_declare_it() -> None:
 
 def test_the_readme_lists_every_patch_as_the_registry_declares_it() -> None:
     assert readme_rows(PATCHES_HEADER) == patch_rows(), 'run scripts/readme_tables.py'
-
-
-def test_the_entry_points_are_the_registry() -> None:
-    config = configparser.ConfigParser()
-    config.read(ROOT / 'setup.cfg')
-    lines = config['options.entry_points'][ENTRY_POINT_GROUP].strip().splitlines()
-    declared = dict(line.split(' = ') for line in lines)
-    assert declared == {spec.name: f'{spec.module}:PATCH' for spec in PATCHES}
 
 
 def test_status_reports_every_patch_of_the_registry() -> None:

@@ -179,8 +179,7 @@ def test_a_claim_that_arrives_before_its_requests_end_session_confirms_the_cache
     # claim (now sent while the Decode already migrates) must not find "no preserved cache" in that gap.
     import numpy as np
 
-    from lmdeploy_pdfix.patches import engine as engine_sessions
-    from lmdeploy_pdfix.patches._node_book import book_of
+    from lmdeploy_pdfix.patches._node_book import book_of, claim_preserved
     from lmdeploy_pdfix.preserved import Verdict
     from tests.test_engine_connections import bare_engine, make_scheduler
 
@@ -193,6 +192,6 @@ def test_a_claim_that_arrives_before_its_requests_end_session_confirms_the_cache
     seq.state.activate()
     seq.state.finish()  # the prefill is done; LMDeploy keeps it TO_BE_MIGRATED until its END_SESSION
     blocks = engine.scheduler.block_manager.get_block_table(seq).tolist()
-    assert engine_sessions.claim_preserved(engine, owner, blocks).verdict is Verdict.CLAIMED
+    assert claim_preserved(engine, owner, blocks).verdict is Verdict.CLAIMED
     assert book_of(engine).audit()['claimed'] == 1
-    assert engine_sessions.claim_preserved(engine, owner + 1, blocks).verdict is Verdict.NOT_FOUND
+    assert claim_preserved(engine, owner + 1, blocks).verdict is Verdict.NOT_FOUND

@@ -343,7 +343,7 @@ async def test_a_copy_whose_free_no_prefill_takes_is_answered_and_its_cache_free
         freed_over_http.append((p_url, owner))
         return True
 
-    monkeypatch.setattr(engine_loop_patch, 'free_prefill_session', free_prefill_session)
+    monkeypatch.setattr('lmdeploy_pdfix.patches._client.free_prefill_session', free_prefill_session)
     prefill = make_node(conn_module, PREFILL_URL)
     gone = 'http://127.0.0.1:23003'  # a Prefill node that died: the Decode's link to it has no peer
     decode = make_decode_node(loop_module, link=conn_module.EngineP2PConnection)

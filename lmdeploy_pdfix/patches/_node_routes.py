@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -39,7 +37,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.owner_ids import is_owner_id
 from lmdeploy_pdfix.patches._client import UnprovenNodeError, node_client, node_credentials_for, node_post
-from lmdeploy_pdfix.patching import PatchState, installation, warn
+from lmdeploy_pdfix.patches._node_book import engine_book_available, engine_call
+from lmdeploy_pdfix.patching import installation, warn
 from lmdeploy_pdfix.preserved import ReleaseCause, Verdict, remember_recent
 from lmdeploy_pdfix.protocol import (
     AUDIT_PATH,
@@ -59,7 +58,6 @@ from lmdeploy_pdfix.protocol import (
 )
 from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey, Voucher
 
-ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 CLAIM_TIMEOUT_S = 10.0
 TICKET_KEY_TIMEOUT_S = 5.0
 NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
@@ -85,43 +83,6 @@ class NodeBooks:
 
 
 NODE = NodeBooks()
-
-
-async def engine_call(async_engine: Any, method: str, *args: Any) -> Any:
-    """Call a method of the engine worker (LMDeploy's or a ``pdfix_*`` one) without blocking the event loop.
-
-    Across the process boundary by the engine's asynchronous RPC when there is one; an in-process engine is
-    called directly.
-    """
-    engine = async_engine.engine
-    rpc = getattr(engine, '_collective_rpc_async', None)
-    if rpc is not None:
-        return await rpc(method, *args)
-    from lmdeploy_pdfix.patches.engine import WORKER_METHODS
-
-    if method in WORKER_METHODS:
-        return WORKER_METHODS[method](SimpleNamespace(engine=engine), *args)
-    return getattr(engine, method)(*args)
-
-
-async def release_cache(async_engine: Any, owner: int, cause: ReleaseCause) -> None:
-    """End ``owner``'s preserved session: through the book when the engine keeps one, else by LMDeploy's end."""
-    if engine_book_available():
-        await engine_call(async_engine, 'pdfix_release_preserved', owner, cause.value)
-    else:
-        await engine_call(async_engine, 'end_session', owner)
-
-
-def engine_book_available() -> bool:
-    """Whether the engine keeps a book of preserved caches (the ``engine_sessions`` patch is applied).
-
-    Engine and api_server run the same code with the same switches, so this process's patch state tells
-    the engine process's. Without it the node keeps LMDeploy's free_cache and confirms no claims.
-    """
-    importlib.import_module(ENGINE_MODULE)  # applies engine_sessions here, if it applies at all
-    from lmdeploy_pdfix.patches.engine import PATCH
-
-    return PATCH.state is PatchState.APPLIED
 
 
 def add_node_routes(router: Any, server_context: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from lmdeploy_pdfix.patches._node_routes import engine_call
+from lmdeploy_pdfix.patches._node_book import engine_call
 from lmdeploy_pdfix.patching import Patch, coroutine_problem, first_problem, signature_problem, warn
 from lmdeploy_pdfix.preserved import ReleaseCause
 

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.model_state import unmigrated_state
-from lmdeploy_pdfix.patches._node_book import book_of
+from lmdeploy_pdfix.patches._node_book import WORKER_METHODS, book_of, preserve, preserved_sequence, release_preserved
 from lmdeploy_pdfix.patching import (
     Patch,
     attribute_problem,
@@ -36,7 +35,7 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
     warn,
 )
-from lmdeploy_pdfix.preserved import Answer, PreservedBook, ReleaseCause, Verdict
+from lmdeploy_pdfix.preserved import ReleaseCause, Verdict
 
 ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
 SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
@@ -45,38 +44,6 @@ CONFIG_MODULE = 'lmdeploy.pytorch.config'
 MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 
 _RECLAIM_INTERVAL_CAP_S = 30.0
-
-
-def release_preserved(engine: Any, owner: int, cause: ReleaseCause, by: str | None = None) -> Answer:
-    """End ``owner``'s session if, and only if, it is a preserved cache of this engine; ``by``: the Decode node
-    that freed it."""
-    answer = book_of(engine).release(owner, cause, session_exists=owner in engine.scheduler.sessions, by=by)
-    if answer.verdict is Verdict.RELEASED:
-        engine.end_session(owner)
-    return answer
-
-
-def claim_preserved(engine: Any, owner: int, block_ids: Sequence[int], decode: str | None = None) -> Answer:
-    book = book_of(engine)
-    seq = _preserved_sequence(engine.scheduler, owner)
-    if not book.is_preserved(owner) and seq is not None and seq.status == _to_be_migrated():
-        # Its answer is out but its END_SESSION still waits in the engine's queue: a claim may arrive first
-        _preserve(engine, book, owner, seq)
-    return book.claim(owner, block_ids, decode)
-
-
-def _to_be_migrated() -> Any:
-    return importlib.import_module(ENGINE_MODULE).MessageStatus.TO_BE_MIGRATED
-
-
-def _preserve(engine: Any, book: PreservedBook, owner: int, seq: Any) -> None:
-    book.preserve(owner, engine.scheduler.block_manager.get_block_table(seq).tolist())
-
-
-def release_unclaimed(engine: Any, cause: ReleaseCause) -> list[int]:
-    """Release every preserved cache no Decode node claimed; a claimed one is being copied, its Decode frees it."""
-    return [owner for owner in book_of(engine).unclaimed()
-            if release_preserved(engine, owner, cause).verdict is Verdict.RELEASED]
 
 
 def reclaim_orphans(engine: Any) -> list[int]:
@@ -92,10 +59,6 @@ def reclaim_orphans(engine: Any) -> list[int]:
 
 # --- D4: END_SESSION of a preserved request -------------------------------------------------------------------
 
-def _preserved_sequence(scheduler: Any, session_id: int) -> Any:
-    session = scheduler.sessions.get(session_id)
-    sequences = list(session.sequences.values()) if session is not None else []
-    return sequences[0] if sequences and sequences[0].preserve_cache else None
 
 
 def _cancel_safe_end_session(original, to_be_migrated, success):
@@ -108,13 +71,13 @@ def _cancel_safe_end_session(original, to_be_migrated, success):
 
 def _end_one(engine: Any, original, req: Any, kwargs: dict[str, Any], to_be_migrated: Any, success: Any) -> None:
     session_id = req.data['session_id']
-    seq = _preserved_sequence(engine.scheduler, session_id)
+    seq = preserved_sequence(engine.scheduler, session_id)
     book = book_of(engine)
     if seq is None:
         original(engine, [req], **kwargs)
     elif seq.status == to_be_migrated:
         if not book.is_preserved(session_id):  # else a claim that came first booked it
-            _preserve(engine, book, session_id, seq)
+            preserve(engine, book, session_id, seq)
         original(engine, [req], **kwargs)  # LMDeploy keeps it (STOPPED) for the Decode node
     elif book.is_preserved(session_id):
         if req.data.get('response', True):  # a repeated end: the cache stays preserved
@@ -181,32 +144,6 @@ def _refuse_if_stateful(model_config_class: Any, model_path: str, engine_config:
             f'lmdeploy-pdfix: {model_path} keeps {state}, and DistServe migrates KV blocks only, so a '
             f'{getattr(role, "name", role)} node would answer with the wrong state. Serve this model with '
             '--role Hybrid.')
-
-
-# --- the RPC surface the api_server calls (methods of the engine process's worker) ------------------------------
-
-def _worker_release_preserved(self, owner: int, cause: str) -> dict[str, str]:
-    return release_preserved(self.engine, owner, ReleaseCause(cause)).as_dict()
-
-
-def _worker_claim_preserved(self, owner: int, block_ids: list[int], decode: str | None = None) -> dict[str, str]:
-    return claim_preserved(self.engine, owner, block_ids, decode).as_dict()
-
-
-def _worker_release_unclaimed(self, cause: str) -> list[int]:
-    return release_unclaimed(self.engine, ReleaseCause(cause))
-
-
-def _worker_audit(self) -> dict[str, Any]:
-    return book_of(self.engine).audit()
-
-
-WORKER_METHODS = {
-    'pdfix_release_preserved': _worker_release_preserved,
-    'pdfix_claim_preserved': _worker_claim_preserved,
-    'pdfix_release_unclaimed': _worker_release_unclaimed,
-    'pdfix_audit': _worker_audit,
-}
 
 
 class EngineSessionsPatch(Patch):

@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.patches.engine import release_preserved
+from lmdeploy_pdfix.patches._node_book import CacheFreeNotSent, release_preserved
 from lmdeploy_pdfix.patching import (
     Patch,
     coroutine_problem,
@@ -44,10 +44,6 @@ _RECEIVE_TASKS = '_lmdeploy_pdfix_receive_tasks'
 _LINK_ATTRIBUTES = ('p2p_conn_ctx', 'p2p_sender', 'p2p_receiver')
 
 Send = Callable[[Any, str, int], Awaitable[None]]
-
-
-class CacheFreeNotSent(RuntimeError):
-    """A Decode node could not tell its Prefill peer to free a migrated cache."""
 
 
 # --- the Decode side: a free is sent or fails, within a bound ----------------------------------------------------

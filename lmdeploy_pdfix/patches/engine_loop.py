@@ -42,9 +42,7 @@ from types import CodeType, ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.patches._client import free_prefill_session
-from lmdeploy_pdfix.patches._node_book import book_of
-from lmdeploy_pdfix.patches.engine_conn import CacheFreeNotSent
+from lmdeploy_pdfix.patches._node_book import CacheFreeNotSent, book_of
 from lmdeploy_pdfix.patching import (
     Patch,
     attribute_problem,
@@ -166,6 +164,8 @@ def _free_over_http(msg: Any, error: CacheFreeNotSent) -> None:
     In the background: the migration loop goes on. A Prefill node that is gone answers nothing; its cache went
     with it.
     """
+    from lmdeploy_pdfix.patches._client import free_prefill_session  # the HTTP stack, only on this rare path
+
     request = msg.migration_request
     warn(f'Decode session {msg.session_id} copied its cache, but {error}; freeing it over HTTP instead')
     free = free_prefill_session(request.remote_engine_id, request.remote_session_id, 'its ZMQ link was closed')

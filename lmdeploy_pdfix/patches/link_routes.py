@@ -13,7 +13,8 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-from lmdeploy_pdfix.patches._node_routes import engine_call, forget_link, record_link
+from lmdeploy_pdfix.patches._node_book import engine_call
+from lmdeploy_pdfix.patches._node_routes import forget_link, record_link
 from lmdeploy_pdfix.patches._routes import find_post_route, swap_endpoint
 from lmdeploy_pdfix.patching import (
     Patch,

@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse
 from lmdeploy_pdfix import __version__, settings
 from lmdeploy_pdfix.kv_layout import kv_layout
 from lmdeploy_pdfix.owner_ids import finished_without_tokens, single_owner
-from lmdeploy_pdfix.patches._node_routes import issue_ticket, release_cache
+from lmdeploy_pdfix.patches._node_book import release_cache
+from lmdeploy_pdfix.patches._node_routes import issue_ticket
 from lmdeploy_pdfix.patches._routes import (
     each_transformed,
     find_post_route,

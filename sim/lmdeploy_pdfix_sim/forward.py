@@ -14,7 +14,6 @@ from lmdeploy_pdfix_sim import model, state
 _LOGIT = 1e4
 WHITESPACE_IDS = [ord(char) for char in '\t\n\r ']
 _MASK32 = (1 << 32) - 1
-_ALPHABET = torch.tensor(model.ALPHABET_IDS, dtype=torch.int64)
 
 
 class SimModel(torch.nn.Module):

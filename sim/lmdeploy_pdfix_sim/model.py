@@ -56,11 +56,6 @@ def signature(token_id: int, position: int) -> int:
     return (token_id * 1000003 + position * 7919 + 12345) & _MASK32
 
 
-def signature_bytes(sig: int) -> tuple[int, int, int, int]:
-    """Little-endian bytes; each fits exactly in fp16/bf16 KV slots."""
-    return sig & 255, (sig >> 8) & 255, (sig >> 16) & 255, (sig >> 24) & 255
-
-
 def history_hash(signatures: Sequence[int]) -> int:
     """Position-weighted sum: every stored signature counts, so one missing block changes it."""
     return sum(sig * (pos % _POS_PERIOD + 1) for pos, sig in enumerate(signatures))
