@@ -25,19 +25,23 @@ class PatchState(str, enum.Enum):
 class Patch:
     """One correction of one LMDeploy module.
 
-    Subclasses name their ``target`` module and implement ``shape_problem`` (why the module does not look
+    Each unit's subclass lives in ``lmdeploy_pdfix/units/<name>/``; its ``name`` and ``target`` module come from
+    :mod:`lmdeploy_pdfix.registry` by that folder. It implements ``shape_problem`` (why the module does not look
     like the code this patch was written against, or None) and ``_apply``, which wraps through :meth:`wrap` so
     that revert is its mirror image (``_revert`` only where a unit changes more than it wraps). Nothing of
     LMDeploy is touched unless every check passes.
     """
 
-    name: str = ''
-    target: str = ''
     # Every LMDeploy object this patch wraps, replaces or adds, as 'module:attribute.path'; the lifecycle test
     # checks that apply changes each of them, and revert restores every one.
     wraps: tuple[str, ...] = ()
 
     def __init__(self) -> None:
+        from lmdeploy_pdfix.registry import BY_NAME, UNITS_PACKAGE
+
+        folder = type(self).__module__.removeprefix(f'{UNITS_PACKAGE}.').split('.')[0]
+        spec = BY_NAME[folder]  # a KeyError here: a unit outside its folder, or missing from the registry
+        self.name, self.target = spec.name, spec.target
         self.state = PatchState.PENDING
         self.reason: str | None = None
         self._module: ModuleType | None = None

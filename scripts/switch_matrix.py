@@ -40,7 +40,7 @@ def switches(unit: str, refuse: bool) -> dict[str, str]:
 def status_with(env_switches: dict[str, str]) -> dict[str, str]:
     """What ``lmdeploy-pdfix status`` says of each unit under ``env_switches`` (state, and why)."""
     env = {**os.environ, settings.TOGGLE: '1', **env_switches}
-    run = subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.cli', 'status', '--json'], env=env,
+    run = subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.tools.cli', 'status', '--json'], env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     report = json.loads(run.stdout[run.stdout.index('{'):])
     return {row['name']: row['state'] + (f" ({row['reason']})" if row['state'] == 'refused' else '')

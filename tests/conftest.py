@@ -17,8 +17,8 @@ import pytest
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix._bootstrap import load_patch
-from lmdeploy_pdfix.patches._client import close_node_client
 from lmdeploy_pdfix.registry import BY_NAME
+from lmdeploy_pdfix.shared.node_client import close_node_client
 from tests.servers import serving
 from tests.stand_in_nodes import Cluster, DecodeBook, PrefillBook, decode_app, prefill_app
 

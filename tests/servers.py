@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from lmdeploy_pdfix.patches._client import close_node_client
+from lmdeploy_pdfix.shared.node_client import close_node_client
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
     DistServeInitResponse,
 )
 
-from lmdeploy_pdfix.protocol import CAPABILITIES_PATH, NODE_PROOF_PATH, node_address, node_proof
+from lmdeploy_pdfix.domain.protocol import CAPABILITIES_PATH, NODE_PROOF_PATH, node_address, node_proof
 
 MODEL = 'pdfix-stand-in'
 BLOCK_IDS = [3, 4]

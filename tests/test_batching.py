@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmdeploy_pdfix.batching import merge_completions, split_prompts
+from lmdeploy_pdfix.domain.batching import merge_completions, split_prompts
 
 
 def test_each_prompt_becomes_its_own_request_in_order() -> None:

@@ -139,7 +139,7 @@ def test_target_of_unexpected_shape_is_refused_with_the_reason(tmp_path: Path) -
 
 
 def test_status_command_reports_every_patch_applied(tmp_path: Path) -> None:
-    code = 'from lmdeploy_pdfix.cli import main\nraise SystemExit(main(["status", "--json"]))'
+    code = 'from lmdeploy_pdfix.tools.cli import main\nraise SystemExit(main(["status", "--json"]))'
     result = run_python(code, tmp_path, toggle='1')
     report = json.loads(result.stdout[result.stdout.index('{'):])
     assert report['enabled'] is True
@@ -196,7 +196,7 @@ def test_a_patch_waits_for_its_requirement_whatever_the_import_order(tmp_path: P
 
 def test_a_patch_whose_requirement_is_refused_is_refused_with_the_reason(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
-        from lmdeploy_pdfix.patches import engine
+        from lmdeploy_pdfix.units import engine_sessions as engine
         engine.PATCH.shape_problem = lambda module: 'a renamed attribute'
         import {ENGINE}
     """) + STATES
@@ -235,7 +235,7 @@ def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_appli
         misshapen = misshape(module, {path!r})
         import lmdeploy_pdfix
         lmdeploy_pdfix.install()
-        from lmdeploy_pdfix.cli import status_report
+        from lmdeploy_pdfix.tools.cli import status_report
         rows = status_report()['patches']
         print(json.dumps({{'states': {{row['name']: row['state'] for row in rows}},
                            'reasons': {{row['name']: row['reason'] for row in rows}},

@@ -21,7 +21,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from lmdeploy_pdfix.protocol import (
+from lmdeploy_pdfix.domain.protocol import (
     CACHE_TICKET_FIELD,
     CLAIM_PATH,
     COMPLETIONS_PATH,
@@ -33,7 +33,7 @@ from lmdeploy_pdfix.protocol import (
     parse_ticket_key,
     ticket_key_answer,
 )
-from lmdeploy_pdfix.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey
+from lmdeploy_pdfix.domain.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey
 from tests.servers import serving
 from tests.test_node_input import migrating, node_client
 from tests.test_serving_owner import MODEL, FakePrefillEngine
@@ -75,7 +75,7 @@ def test_a_ticket_that_expires_later_than_any_prefill_issues_one_is_refused() ->
 def test_a_decode_node_remembers_a_used_ticket_until_it_expires_and_no_longer() -> None:
     # a replay is refused while the ticket could still verify; after that the ticket itself is refused as expired,
     # so the Decode's memory of used tickets follows the orphan TTL, not the traffic
-    from lmdeploy_pdfix.patches._node_routes import TicketKeys
+    from lmdeploy_pdfix.shared.node_routes import TicketKeys
 
     keys, key = TicketKeys(), TicketKey.generate()
     early, late = (key.verify(key.issue(OWNER, [block], expiry), OWNER, [block], now=0.0, longest_s=LONGEST_S)
@@ -162,7 +162,7 @@ def prefill() -> Iterator[tuple[StandInPrefill, str]]:
 async def decode(apply_patch: Callable[[str], ModuleType],
                  prefill: tuple[StandInPrefill, str]) -> AsyncIterator[tuple[httpx.AsyncClient, HeldDecodeEngine]]:
     api_server = apply_patch('decode_migration_checks')
-    from lmdeploy_pdfix.patches._node_routes import NODE
+    from lmdeploy_pdfix.shared.node_routes import NODE
 
     NODE.linked_peers[prefill[1]] = THIS_DECODE  # as the proxy's link set-up notes it
     engine = HeldDecodeEngine()
@@ -365,7 +365,7 @@ async def test_a_claim_not_answered_with_a_pdfix_verdict_refuses_the_migration_b
 async def test_a_decode_sends_the_node_key_only_to_a_prefill_that_proved_it_holds_it(
         prefill: tuple[StandInPrefill, str], decode: tuple[httpx.AsyncClient, HeldDecodeEngine],
         monkeypatch: pytest.MonkeyPatch, proves: str | None) -> None:
-    from lmdeploy_pdfix.patches import _client
+    from lmdeploy_pdfix.shared import node_client as _client
 
     (node, url), (client, engine) = prefill, decode
     monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmdeploy_pdfix.chunking import expected_prefill_forwards, prefill_chunk_must_advance
+from lmdeploy_pdfix.domain.chunking import expected_prefill_forwards, prefill_chunk_must_advance
 
 
 @pytest.mark.parametrize('prompt, limit, forwards', [(1500, 512, 3), (512, 512, 1), (513, 512, 2), (10, 512, 1)])

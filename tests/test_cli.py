@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_status_json_is_the_whole_of_stdout_and_names_every_unit() -> None:
     # importing LMDeploy's proxy logs "AIOHTTP_TIMEOUT set to None …" on stdout: `status --json | jq` broke
     env = {**os.environ, 'LMDEPLOY_PDFIX': '1', 'PYTHONPATH': str(REPO)}
-    run = subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.cli', 'status', '--json'], env=env, cwd=REPO,
+    run = subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.tools.cli', 'status', '--json'], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300, check=False)
     report = json.loads(run.stdout)
     assert [row['name'] for row in report['patches']] == [spec.name for spec in PATCHES]
@@ -29,7 +29,7 @@ def test_status_json_is_the_whole_of_stdout_and_names_every_unit() -> None:
 def test_a_unit_whose_optional_dependency_is_missing_is_not_applicable_not_refused() -> None:
     # Ray is optional for LMDeploy: without it ray_workers_env has nothing to fix, which is no failure of status
     code = ("import sys; sys.modules['ray'] = None\n"  # what an interpreter without Ray finds
-            "from lmdeploy_pdfix.cli import main\nraise SystemExit(main(['status', '--json']))")
+            "from lmdeploy_pdfix.tools.cli import main\nraise SystemExit(main(['status', '--json']))")
     env = {**os.environ, 'LMDEPLOY_PDFIX': '1', 'PYTHONPATH': str(REPO)}
     run = subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=300, check=False)
@@ -40,7 +40,7 @@ def test_a_unit_whose_optional_dependency_is_missing_is_not_applicable_not_refus
 
 
 def test_status_says_plainly_what_running_without_a_node_key_leaves_open(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmdeploy_pdfix.cli import status_report
+    from lmdeploy_pdfix.tools.cli import status_report
 
     monkeypatch.delenv('LMDEPLOY_PDFIX_NODE_API_KEY', raising=False)
     unkeyed = status_report()['node_key']

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.cli import status_report
 from lmdeploy_pdfix.registry import BY_NAME, PATCHES
+from lmdeploy_pdfix.tools.cli import status_report
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'scripts'))

@@ -30,11 +30,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lmdeploy_pdfix.doctor import doctor
-from lmdeploy_pdfix.ledger import OwnerLedger
+from lmdeploy_pdfix.domain.ledger import OwnerLedger
+from lmdeploy_pdfix.domain.preserved import PreservedBook
+from lmdeploy_pdfix.domain.protocol import AUDIT_PATH, NODE_PROOF_PATH, node_address, node_proof
 from lmdeploy_pdfix.patching import installation
-from lmdeploy_pdfix.preserved import PreservedBook
-from lmdeploy_pdfix.protocol import AUDIT_PATH, NODE_PROOF_PATH, node_address, node_proof
+from lmdeploy_pdfix.tools.doctor import doctor
 from tests.servers import serving
 
 REPO = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def run_doctor(proxy_url: str, *extra: str, timeout_s: float = 60,
            if name not in ('LMDEPLOY_PDFIX', 'LMDEPLOY_PDFIX_NODE_API_KEY')}
     if node_key is not None:
         env['LMDEPLOY_PDFIX_NODE_API_KEY'] = node_key
-    return subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.cli', 'doctor', '--proxy', proxy_url,
+    return subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.tools.cli', 'doctor', '--proxy', proxy_url,
                            '--timeout', str(TIMEOUT_S), *extra], env={**env, 'PYTHONPATH': str(REPO)}, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 

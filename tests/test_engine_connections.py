@@ -35,9 +35,9 @@ from lmdeploy.pytorch.messages import SequenceMeta
 from lmdeploy.pytorch.paging import Scheduler
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
 
-from lmdeploy_pdfix.patches import engine_conn as engine_conn_patch
-from lmdeploy_pdfix.patches._node_book import book_of
-from lmdeploy_pdfix.preserved import Verdict
+from lmdeploy_pdfix.domain.preserved import Verdict
+from lmdeploy_pdfix.shared.node_book import book_of
+from lmdeploy_pdfix.units import engine_connections as engine_conn_patch
 
 BLOCK_SIZE = 16
 NUM_GPU_BLOCKS = 64

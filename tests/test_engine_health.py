@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.loop_health import LoopWatch
+from lmdeploy_pdfix.domain.loop_health import LoopWatch
 
 
 async def forever() -> None:

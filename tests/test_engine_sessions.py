@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from lmdeploy_pdfix.compat import lmdeploy_version
-from lmdeploy_pdfix.model_state import unmigrated_state
+from lmdeploy_pdfix.domain.model_state import unmigrated_state
 
 HYBRID_CONFIG = {
     'architectures': ['Qwen3NextForCausalLM'], 'model_type': 'qwen3_next', 'hidden_size': 256,
@@ -154,8 +154,8 @@ def test_a_hybrid_engine_still_serves_such_a_model(apply_patch, hybrid_model: st
 
 
 async def test_orphan_reclamation_goes_on_after_a_pass_that_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmdeploy_pdfix.patches import engine as engine_sessions
-    from lmdeploy_pdfix.preserved import PreservedBook
+    from lmdeploy_pdfix.domain.preserved import PreservedBook
+    from lmdeploy_pdfix.units import engine_sessions as engine_sessions
 
     passes = []
 
@@ -179,8 +179,8 @@ def test_a_claim_that_arrives_before_its_requests_end_session_confirms_the_cache
     # claim (now sent while the Decode already migrates) must not find "no preserved cache" in that gap.
     import numpy as np
 
-    from lmdeploy_pdfix.patches._node_book import book_of, claim_preserved
-    from lmdeploy_pdfix.preserved import Verdict
+    from lmdeploy_pdfix.domain.preserved import Verdict
+    from lmdeploy_pdfix.shared.node_book import book_of, claim_preserved
     from tests.test_engine_connections import bare_engine, make_scheduler
 
     engine = bare_engine(make_scheduler())

@@ -18,7 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmdeploy_pdfix.protocol import CHAT_PATH, CLAIM_PATH, COMPLETIONS_PATH, FREE_PATH, NODE_PROOF_PATH, TICKET_KEY_PATH
+from lmdeploy_pdfix.domain.protocol import (
+    CHAT_PATH,
+    CLAIM_PATH,
+    COMPLETIONS_PATH,
+    FREE_PATH,
+    NODE_PROOF_PATH,
+    TICKET_KEY_PATH,
+)
 from tests.stand_in_nodes import MODEL, Cluster, audit
 from tests.test_node_input import EngineRpc, node_client
 from tests.test_serving_owner import FakePrefillEngine

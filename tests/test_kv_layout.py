@@ -5,7 +5,7 @@ from __future__ import annotations
 from lmdeploy.messages import PytorchEngineConfig
 from transformers import LlamaConfig
 
-from lmdeploy_pdfix.kv_layout import kv_layout, layout_differences
+from lmdeploy_pdfix.domain.kv_layout import kv_layout, layout_differences
 
 MODEL = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                     torch_dtype='bfloat16')

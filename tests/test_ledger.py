@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmdeploy_pdfix.ledger import DuplicateOwnerError, OwnerLedger, RecordState, ReleaseCause
+from lmdeploy_pdfix.domain.ledger import DuplicateOwnerError, OwnerLedger, RecordState, ReleaseCause
 
 
 def test_each_retained_cache_is_open_exactly_from_open_to_its_first_close() -> None:

@@ -28,9 +28,9 @@ from lmdeploy.pytorch.disagg.conn.protocol import MigrationProtocol, MigrationRe
 from lmdeploy.pytorch.engine.request import RequestManager, Response
 from lmdeploy.pytorch.messages import MessageStatus, SchedulerSequence
 
-from lmdeploy_pdfix.patches import engine_conn as engine_conn_patch
-from lmdeploy_pdfix.patches import engine_loop as engine_loop_patch
-from lmdeploy_pdfix.patches._node_book import book_of
+from lmdeploy_pdfix.shared.node_book import book_of
+from lmdeploy_pdfix.units import engine_connections as engine_conn_patch
+from lmdeploy_pdfix.units import migration_faults as engine_loop_patch
 from tests.test_engine_connections import (
     BLOCK_SIZE,
     DECODE_URL,
@@ -343,7 +343,7 @@ async def test_a_copy_whose_free_no_prefill_takes_is_answered_and_its_cache_free
         freed_over_http.append((p_url, owner))
         return True
 
-    monkeypatch.setattr('lmdeploy_pdfix.patches._client.free_prefill_session', free_prefill_session)
+    monkeypatch.setattr('lmdeploy_pdfix.shared.node_client.free_prefill_session', free_prefill_session)
     prefill = make_node(conn_module, PREFILL_URL)
     gone = 'http://127.0.0.1:23003'  # a Prefill node that died: the Decode's link to it has no peer
     decode = make_decode_node(loop_module, link=conn_module.EngineP2PConnection)

@@ -10,7 +10,7 @@ import struct
 
 import aiohttp
 
-from lmdeploy_pdfix.patches._client import close_node_client, node_post
+from lmdeploy_pdfix.shared.node_client import close_node_client, node_post
 
 
 class ClosingUnderTheNextRequest:

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from lmdeploy.serve.parsers import ResponseParserManager
 
-from lmdeploy_pdfix.protocol import CLAIM_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
+from lmdeploy_pdfix.domain.protocol import CLAIM_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
 from tests.test_serving_owner import MODEL, FakePrefillEngine
 
 PREFILL = 'http://127.0.0.1:1'  # never linked to the node under test

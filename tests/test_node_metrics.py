@@ -15,8 +15,8 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmdeploy_pdfix.patches._node_book import book_of
-from lmdeploy_pdfix.patches._node_routes import NODE
+from lmdeploy_pdfix.shared.node_book import book_of
+from lmdeploy_pdfix.shared.node_routes import NODE
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ async def test_metrics_show_the_preserved_caches_and_releases_as_of_the_scrape(
     assert first["lmdeploy_pdfix_claims_total[('verdict', 'claimed')]"] == 1
     assert first['lmdeploy_pdfix_engine_book_up[]'] == 1
 
-    from lmdeploy_pdfix.preserved import ReleaseCause
+    from lmdeploy_pdfix.domain.preserved import ReleaseCause
 
     book.release(1, ReleaseCause.RECLAIMED, session_exists=True)
     book.release(9, ReleaseCause.FREED, session_exists=False)
@@ -73,7 +73,7 @@ async def test_an_engine_that_does_not_answer_shows_as_down_not_as_an_error(
     async def unanswered(*args: object) -> None:
         raise TimeoutError('the engine process is gone')
 
-    monkeypatch.setattr('lmdeploy_pdfix.patches._node_routes.engine_call', unanswered)
+    monkeypatch.setattr('lmdeploy_pdfix.shared.node_routes.engine_call', unanswered)
     scraped = await scrape(app)
     assert scraped['lmdeploy_pdfix_engine_book_up[]'] == 0
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.owner_ids import is_owner_id, permuted, single_owner, unguessable_session_ids
-from lmdeploy_pdfix.protocol import (
+from lmdeploy_pdfix.domain.owner_ids import is_owner_id, permuted, single_owner, unguessable_session_ids
+from lmdeploy_pdfix.domain.protocol import (
     CACHE_OWNER_FIELD,
     PrefillAnswerError,
     migration_request_problem,

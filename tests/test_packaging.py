@@ -75,7 +75,7 @@ def test_the_wheel_carries_no_emulation(dist: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
     emulation = [name for name in names if EMULATION_MODULES & {*Path(name).parts, Path(name).stem}]
-    assert emulation == [] and 'lmdeploy_pdfix/cli.py' in names
+    assert emulation == [] and 'lmdeploy_pdfix/tools/cli.py' in names
 
 
 def test_with_only_the_wheel_installed_the_emulation_switch_does_nothing(dist: Path, tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from lmdeploy.pytorch.messages import (
 )
 from lmdeploy.pytorch.strategies.ar.sequence import ARSequenceStrategy
 
-from lmdeploy_pdfix.chunking import expected_prefill_forwards
+from lmdeploy_pdfix.domain.chunking import expected_prefill_forwards
 
 PROMPT_TOKENS = 1500
 MAX_PREFILL_TOKEN_NUM = 512

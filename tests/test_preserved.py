@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmdeploy_pdfix.preserved import PreservedBook, ReleaseCause, Verdict
+from lmdeploy_pdfix.domain.preserved import PreservedBook, ReleaseCause, Verdict
 
 OWNER = (7 << 32) + 3
 DECODE = 'http://127.0.0.1:9001'

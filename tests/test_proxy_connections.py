@@ -173,7 +173,7 @@ async def test_concurrent_connects_after_a_failed_handshake_all_connect(apply_pa
 @pytest.mark.regression
 async def test_callers_beyond_the_bound_on_link_waiters_are_refused_at_once_and_the_rest_connect(
         apply_patch, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmdeploy_pdfix.patches import proxy_conn
+    from lmdeploy_pdfix.units import proxy_connections as proxy_conn
 
     conn = apply_patch('proxy_connections')
     monkeypatch.setattr(proxy_conn, 'MAX_LINK_WAITERS', 3)  # a pool reads it when its first link set-up begins
@@ -196,7 +196,7 @@ async def test_callers_beyond_the_bound_on_link_waiters_are_refused_at_once_and_
 @pytest.mark.regression
 async def test_warmups_that_come_while_one_runs_share_it_and_callers_beyond_the_bound_get_503(
         distserve, apply_patch, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lmdeploy_pdfix.patches import proxy_warmups
+    from lmdeploy_pdfix.units import proxy_warmups as proxy_warmups
 
     apply_patch('proxy_warmups')
     monkeypatch.setattr(proxy_warmups.PATCH.rounds, 'limit', 4)

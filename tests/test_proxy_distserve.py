@@ -316,7 +316,7 @@ NODE_KEY = 'the-operators-node-key'
 @pytest.fixture
 def node_key(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The proxy holds a node key; what nodes proved is forgotten before and after (ports are reused)."""
-    from lmdeploy_pdfix.patches import _client
+    from lmdeploy_pdfix.shared import node_client as _client
 
     monkeypatch.setenv('LMDEPLOY_PDFIX_NODE_API_KEY', NODE_KEY)
     _client._PROOFS._known.clear()

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lmdeploy_pdfix.patches import proxy_heartbeat
+from lmdeploy_pdfix.units import proxy_heartbeat as proxy_heartbeat
 from tests.servers import serving
 
 HEALTH_TIMEOUT_S = 0.5

@@ -27,7 +27,7 @@ from lmdeploy.serve.core.async_engine import GenOut, PreprocessedRequest
 from lmdeploy.serve.managers.session_manager import Session, SessionManager
 from lmdeploy.serve.parsers import ResponseParserManager
 
-from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, CAPABILITIES_PATH, NODE_PROOF_PATH, node_proof
+from lmdeploy_pdfix.domain.protocol import CACHE_OWNER_FIELD, CAPABILITIES_PATH, NODE_PROOF_PATH, node_proof
 from tests.servers import serving
 
 MODEL = 'pdfix-test-model'

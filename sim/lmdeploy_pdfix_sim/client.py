@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lmdeploy_pdfix.protocol import bearer
+from lmdeploy_pdfix.domain.protocol import bearer
 from lmdeploy_pdfix_sim import model
 from lmdeploy_pdfix_sim.cluster import MODEL_NAME
 

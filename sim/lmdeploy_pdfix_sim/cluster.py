@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.protocol import bearer
+from lmdeploy_pdfix.domain.protocol import bearer
 from lmdeploy_pdfix_sim import faults, model
 from lmdeploy_pdfix_sim import settings as sim_settings
 

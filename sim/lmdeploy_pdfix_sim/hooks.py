@@ -230,7 +230,7 @@ def substitute_engine_start(zmq_engine: ModuleType) -> None:
     loaded cores (about one start in three lost the race); a patched node gets it from that unit itself.
     ``bench_starts`` sets ``LMDEPLOY_PDFIX_SIM_RAW_START`` to measure the race as released."""
     from lmdeploy_pdfix import settings as switches
-    from lmdeploy_pdfix.patches.engine_start import PATCH
+    from lmdeploy_pdfix.units.engine_start import PATCH
 
     unit_applies = switches.enabled() and PATCH.name not in switches.disabled_patches()
     if not unit_applies and not settings.raw_start():

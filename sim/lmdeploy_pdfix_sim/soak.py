@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmdeploy_pdfix.protocol import AUDIT_PATH
+from lmdeploy_pdfix.domain.protocol import AUDIT_PATH
 from lmdeploy_pdfix_sim import chaos, client
 from lmdeploy_pdfix_sim.cluster import STATE_ROUTE, Cluster, http_json
 from lmdeploy_pdfix_sim.progress import live

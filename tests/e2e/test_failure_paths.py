@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.protocol import FIX_HINT
+from lmdeploy_pdfix.domain.protocol import FIX_HINT
 from lmdeploy_pdfix_sim import client
 from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster, prefill_forwards
 from tests.e2e.conftest import MODES

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.protocol import AUDIT_PATH, CLAIM_PATH, FREE_PATH
+from lmdeploy_pdfix.domain.protocol import AUDIT_PATH, CLAIM_PATH, FREE_PATH
 from lmdeploy_pdfix_sim import client
 from lmdeploy_pdfix_sim.cluster import Cluster
 from tests.e2e.conftest import MODES

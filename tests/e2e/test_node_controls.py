@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from lmdeploy_pdfix.protocol import AUDIT_PATH
+from lmdeploy_pdfix.domain.protocol import AUDIT_PATH
 from lmdeploy_pdfix_sim import client, faults
 from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster
 from tests.e2e.conftest import MODES

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmdeploy_pdfix.protocol import CACHE_OWNER_FIELD, FREE_PATH
+from lmdeploy_pdfix.domain.protocol import CACHE_OWNER_FIELD, FREE_PATH
 from lmdeploy_pdfix_sim import client, faults
 from lmdeploy_pdfix_sim.cluster import Cluster
 
@@ -56,7 +56,7 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 
 def doctor(cluster: Cluster, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.cli', 'doctor', '--proxy', cluster.proxy_url,
+    return subprocess.run([sys.executable, '-m', 'lmdeploy_pdfix.tools.cli', 'doctor', '--proxy', cluster.proxy_url,
                            *extra], capture_output=True, text=True, timeout=120)
 
 

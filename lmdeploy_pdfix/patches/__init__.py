@@ -1,1 +1,0 @@
-"""One module per patched LMDeploy area; each exposes ``PATCH``, a :class:`lmdeploy_pdfix.patching.Patch`."""

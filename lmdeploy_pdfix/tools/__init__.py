@@ -1,0 +1,1 @@
+"""The operator's tools: ``lmdeploy-pdfix status`` and ``doctor``."""

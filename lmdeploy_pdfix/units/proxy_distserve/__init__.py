@@ -1,0 +1,158 @@
+"""The proxy's DistServe chat and completions routes migrate, shelve and release by cache owner (D1, D2, D12).
+
+LMDeploy's proxy takes the Prefill answer's public ``id`` as the cache owner: ``int('chatcmpl-…')`` fails
+every chat with HTTP 500, and completions carry the caller's ``session_id`` (``-1``), so the Decode node's
+free misses and the Prefill session is kept forever. This patch serves both routes in DistServe mode with
+our own relay (``_relay.py``), which takes the owner from ``cache_session_id`` only, answers a missing or
+invalid owner with a clear 502, releases the Prefill cache on every failure it sees, and returns the Decode
+node's status as it is. It also makes ``POST /distserve/gc`` work (D17) and adds ``GET
+/distserve/pdfix/audit``. Hybrid mode and ``--dummy-prefill`` keep LMDeploy's own handlers.
+
+An answer is the one a Hybrid node gives (issue 27): a chat with ``n > 1`` goes through LMDeploy's own fan-out
+(``chat_completions.fanout``), one relayed request per choice, each with its own Prefill cache (D18); completions
+keep LMDeploy's single choice; the Prefill's request keeps a ``min_new_tokens`` that bans stop words from the
+first token; and a Prefill/Decode pair whose KV layouts differ is refused before any work (D28).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from collections import Counter
+from types import ModuleType
+from typing import Any
+
+from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.domain.ledger import OwnerLedger, ReleaseCause
+from lmdeploy_pdfix.domain.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH, forwarded_credentials
+from lmdeploy_pdfix.patching import (
+    Patch,
+    first_problem,
+    installation,
+    signature_problem,
+)
+from lmdeploy_pdfix.shared.node_client import close_node_client
+from lmdeploy_pdfix.shared.routes import find_post_route, restore_route, swap_endpoint
+from lmdeploy_pdfix.units.proxy_distserve.relay import (
+    FANOUT_MODULE,
+    RelayObserver,
+    observed,
+    relay_distserve,
+    release,
+    until_client_leaves,
+)
+
+MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
+# What the relay and the heartbeat read of LMDeploy's node manager at run time
+NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config', 'pd_connection_pool',
+                      'dummy_prefill', 'serving_strategy')
+# Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
+GC_AGE_S = settings.GC_AGE_S.value()
+HEARTBEAT_MODULE = 'lmdeploy_pdfix.units.proxy_heartbeat'
+
+
+def _relaying_distserve(proxy: ModuleType, path: str, patch: ProxyDistServePatch):
+    def make_endpoint(original):
+        async def endpoint(request, raw_request=None):
+            nodes = proxy.node_manager
+            if nodes.serving_strategy != proxy.ServingStrategy.DistServe or nodes.dummy_prefill:
+                return await original(request, raw_request)
+            rejected = await nodes.check_request_model(request.model)
+            if rejected is not None:
+                return rejected
+            started, observer = time.perf_counter(), patch.observer
+            credentials = forwarded_credentials(getattr(raw_request, 'headers', None))
+            answer = await until_client_leaves(
+                raw_request, relay_distserve(proxy, path, patch.ledger, request, credentials, observer))
+            return observed(answer, observer, path, started)
+
+        return endpoint
+
+    return make_endpoint
+
+
+def _collecting_garbage(proxy: ModuleType, ledger: OwnerLedger):
+    def make_endpoint(original):
+        async def cache_block_gc_to_be_migrated():
+            live = set(proxy.node_manager.nodes)
+            outcomes: Counter[bool] = Counter()
+            for record in ledger.collectable(older_than_s=GC_AGE_S, live_urls=live, now=time.monotonic()):
+                outcomes[await release(ledger, record, ReleaseCause.GC, 'gc')] += 1
+            # counts, not owners: an owner id names a cache someone could free
+            return {'released': outcomes[True], 'release_failed': outcomes[False],
+                    'audit': ledger.audit(time.monotonic())}
+
+        return cache_block_gc_to_be_migrated
+
+    return make_endpoint
+
+
+class ProxyDistServePatch(Patch):
+    wraps = (
+        'lmdeploy.serve.proxy.proxy:app.router.routes',
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._originals: list[Any] = []
+        self.ledger = OwnerLedger()
+        self.observer = RelayObserver()  # proxy_metrics puts in one that counts
+
+    def shape_problem(self, module: ModuleType) -> str | None:
+        missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
+                                     'MigrationRequest', 'PDConnectionMessage', 'create_error_response')
+                   if not hasattr(module, name)]
+        if missing:
+            return f'missing {", ".join(missing)}'
+        if not isinstance(getattr(module.app.router, 'on_shutdown', None), list):
+            return 'the proxy app has no on_shutdown list'
+        routes = [path for path in (CHAT_PATH, COMPLETIONS_PATH, GC_PATH)
+                  if find_post_route(module.app.router.routes, path)]
+        if len(routes) != 3:
+            return f'the proxy app does not serve POST {CHAT_PATH}, {COMPLETIONS_PATH} and {GC_PATH}'
+        fields = set(module.MigrationRequest.model_fields)
+        if not fields >= MIGRATION_FIELDS:
+            return f'MigrationRequest lacks {sorted(MIGRATION_FIELDS - fields)}'
+        protocol = importlib.import_module('lmdeploy.pytorch.disagg.conn.protocol')
+        if not hasattr(protocol, 'DistServeCacheFreeRequest'):
+            return 'DistServeCacheFreeRequest is missing'
+        manager = module.NodeManager
+        read = [name for name in NODE_MANAGER_READS if not hasattr(module.node_manager, name)]
+        if read:
+            return f'node_manager has no {", ".join(read)}'
+        return first_problem(
+            signature_problem(importlib.import_module(FANOUT_MODULE), 'fanout_chat_completions',
+                              ['endpoint', 'request', 'raw_request', 'payload']),
+            signature_problem(manager, 'get_node_url', ['self', 'model_name', 'role']),
+            signature_problem(manager, 'pre_call', ['self', 'node_url']),
+            signature_problem(manager, 'post_call', ['self', 'node_url', 'start']),
+            signature_problem(manager, 'check_request_model', ['self', 'model_name']),
+        )
+
+    def _apply(self, module: ModuleType) -> None:
+        self.ledger = OwnerLedger()
+        routes = module.app.router.routes
+        for path in (CHAT_PATH, COMPLETIONS_PATH):
+            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self)))
+        self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, self.ledger)))
+        module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
+        module.app.router.on_shutdown.append(close_node_client)
+
+    def audit(self) -> dict[str, Any]:
+        """The proxy's books (open records by state, oldest age, releases by cause, owner rejections), the nodes
+        its heartbeat removed, and what it runs."""
+        heartbeat = sys.modules.get(HEARTBEAT_MODULE)
+        removed = heartbeat.PATCH.removed_nodes.snapshot() if heartbeat is not None else {}
+        removed_roles = {url: getattr(getattr(status, 'role', None), 'name', None) for url, status in removed.items()}
+        return {**self.ledger.audit(time.monotonic()), 'removed_nodes': removed_roles, 'software': installation()}
+
+    def _revert(self, module: ModuleType) -> None:
+        routes = module.app.router.routes
+        while self._originals:
+            restore_route(routes, self._originals.pop())
+        routes[:] = [route for route in routes if getattr(route, 'path', None) != AUDIT_PATH]
+        module.app.router.on_shutdown.remove(close_node_client)
+
+
+PATCH = ProxyDistServePatch()

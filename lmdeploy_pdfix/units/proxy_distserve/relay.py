@@ -1,0 +1,696 @@
+"""The DistServe relay: one request through a Prefill node and a Decode node, migrated by cache owner.
+
+Our own handler, built from LMDeploy's public pieces (its node manager, connection pool, protocol models and
+error responses). Every exit goes through the owner ledger: migrated, compensated by a release, or left
+for gc when even the release failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import ModuleType
+from typing import Any, TypeVar
+
+import aiohttp
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from lmdeploy_pdfix import settings
+from lmdeploy_pdfix.domain.batching import merge_completions, split_prompts
+from lmdeploy_pdfix.domain.kv_layout import HOW_TO_PAIR, layout_differences
+from lmdeploy_pdfix.domain.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
+from lmdeploy_pdfix.domain.protocol import (
+    CACHE_TICKET_FIELD,
+    CAPABILITIES_PATH,
+    CHAT_PATH,
+    CLIENT_CLOSED_REQUEST,
+    COMPLETIONS_PATH,
+    CREDENTIALS_HINT,
+    FIRST_LOGPROBS_FIELD,
+    FIX_HINT,
+    PREFILL_FINISHED_FIELD,
+    PROMPT_DIGEST_FIELD,
+    PrefillAnswer,
+    PrefillAnswerError,
+    first_logprobs_on_wire,
+    is_finished_at_prefill,
+    parse_json,
+    parse_prefill_answer,
+    refused_credentials,
+)
+from lmdeploy_pdfix.domain.shared_runs import TooManyWaiting
+from lmdeploy_pdfix.patching import lmdeploy_logger
+from lmdeploy_pdfix.shared.node_client import (
+    UnprovenNodeError,
+    free_prefill_session,
+    node_client,
+    node_credentials_for,
+    node_post,
+    not_pooled_after_an_error,
+)
+
+T = TypeVar('T')
+
+FANOUT_MODULE = 'lmdeploy.serve.openai.chat_completions.fanout'  # LMDeploy's collation of n choices
+PROBE_TIMEOUT_S = 5.0
+# How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
+# upgraded any moment, so it is asked again soon.
+PROBE_TTL_S = {True: 60.0, False: 5.0}
+
+
+async def to_the_end(work: Awaitable[T]) -> T:
+    """``work``'s result; a cancel that arrives meanwhile is raised only once ``work`` has ended.
+
+    ``asyncio.shield`` alone lets the cancelled caller return at once while ``work`` goes on unseen: LMDeploy's
+    fan-out then answered a failed choice before the choices it cancelled had freed their caches.
+    """
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # raised below, by task.result()
+            break
+    if cancelled:
+        raise asyncio.CancelledError
+    return task.result()
+
+
+async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause, reason: str) -> bool:
+    """Free ``record``'s Prefill session and close it; a failed free stays on the books for gc."""
+    if await free_prefill_session(record.p_url, record.owner, reason):
+        return ledger.close(record, cause)
+    ledger.release_failed(record, cause)
+    return False
+
+
+class RelayObserver:
+    """What the relay reports of each request; this one drops it (``proxy_metrics`` puts in one that counts)."""
+
+    def phase(self, name: str, seconds: float) -> None:
+        """``seconds`` spent in one phase: probe, prefill, link, decode_first_byte."""
+
+    def finished(self, route: str, status: int, seconds: float) -> None:
+        """A request to ``route`` ended with the ``status`` its client got (499: the client left) after
+        ``seconds`` in all."""
+
+
+class NodeGoneError(aiohttp.ClientConnectionError):
+    """The node chosen for this request left the proxy's node list before it was called."""
+
+
+@dataclass
+class _Relay:
+    """One DistServe request on its way through a Prefill node and a Decode node."""
+
+    proxy: ModuleType
+    path: str
+    ledger: OwnerLedger
+    credentials: dict[str, str]  # headers of the calls made for the client (see forwarded_credentials)
+    observer: RelayObserver
+    p_url: str = ''
+    d_url: str = ''
+    record: OwnerRecord | None = None
+    _decode_started: float | None = None
+
+    @property
+    def nodes(self):
+        return self.proxy.node_manager
+
+    owner: int | None = None  # the internal cache owner, once the Prefill named it
+
+    def error(self, status: HTTPStatus | int, message: str) -> JSONResponse:
+        if self.owner is not None:  # the client never saw the internal owner id; a relayed node message may name it
+            message = re.sub(rf'\b{self.owner}\b', '(the retained cache)', message)
+        return self.proxy.create_error_response(status, message)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observer.phase(name, time.perf_counter() - started)
+
+    def decode_started(self) -> None:
+        self._decode_started = time.perf_counter()
+
+    def decode_answered(self) -> None:
+        """The Decode node's first byte (a whole answer, or a stream's first event) reached the proxy."""
+        started, self._decode_started = self._decode_started, None
+        if started is not None:
+            self.observer.phase('decode_first_byte', time.perf_counter() - started)
+
+    def begin_call(self, url: str) -> float:
+        """Count a call to ``url`` in the proxy's books (``pre_call``); pair it with ``nodes.post_call``."""
+        if url not in self.nodes.nodes:  # removed (heartbeat, re-registration) since it was chosen
+            raise NodeGoneError(f'{url} is no longer registered with the proxy')
+        return self.nodes.pre_call(url)
+
+    async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
+        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+        start = self.begin_call(url)
+        try:
+            async with await node_post(url + self.path, json=payload, headers=self.credentials,
+                                       timeout=self.nodes.aiotimeout) as response:
+                not_pooled_after_an_error(response)
+                return response.status, await response.text()
+        finally:
+            self.nodes.post_call(url, start)
+
+    def hold(self, owner: int) -> None:
+        """Open the books on the cache the Prefill node retained for this request."""
+        self.owner = owner
+        self.record = self.ledger.open(owner, self.p_url, self.d_url)
+
+    async def release(self, reason: str) -> None:
+        """Compensate: free the retained Prefill cache, if this request holds one.
+
+        The free runs to its end even if this request is cancelled meanwhile (its client left): the record is
+        already taken off the relay, so nothing else would release it.
+        """
+        record, self.record = self.record, None
+        if record is not None:
+            await to_the_end(release(self.ledger, record, ReleaseCause.COMPENSATED, reason))
+
+    def migrated(self) -> None:
+        """The Decode node took the cache over (it frees the Prefill session itself)."""
+        record, self.record = self.record, None
+        if record is not None:
+            self.ledger.close(record, ReleaseCause.MIGRATED)
+
+
+class NodeCredentialsRefusedError(Exception):
+    """A node answered 401 or 403 to the proxy's own call."""
+
+
+class _CapabilityProbe:
+    """What a node says of itself (whether it names cache owners, its KV layout), asked once per node and
+    remembered for a while."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[dict[str, Any], float]] = {}
+
+    async def names_owners(self, url: str) -> bool | None:
+        """True or False as the node says; None when it cannot be asked (not remembered)."""
+        said = await self._said(url)
+        return None if said is None else said.get('cache_owner') is True
+
+    async def kv_layout(self, url: str) -> Any:
+        """The node's KV layout as it describes it; None when it does not, or cannot be asked."""
+        said = await self._said(url)
+        return None if said is None else said.get('kv_layout')
+
+    async def _said(self, url: str) -> dict[str, Any] | None:
+        known = self._known.get(url)
+        if known is not None and time.monotonic() < known[1]:
+            return known[0]
+        try:
+            async with node_client().get(url + CAPABILITIES_PATH, headers=await node_credentials_for(url),
+                                         timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
+                if refused_credentials(response.status):
+                    raise NodeCredentialsRefusedError(f'HTTP {response.status}')
+                body = parse_json(await response.read()) if response.status == HTTPStatus.OK else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnprovenNodeError):
+            return None
+        said = body if isinstance(body, dict) else {}
+        self._known[url] = (said, time.monotonic() + PROBE_TTL_S[said.get('cache_owner') is True])
+        return said
+
+
+_probe = _CapabilityProbe()
+
+
+async def _refuse_unproven(relay: _Relay) -> JSONResponse | None:
+    """Where there is a node key, both nodes must prove they hold it before any call carries it (or the client's
+    credentials) to them: a node anyone registered at /nodes/add receives neither."""
+    try:
+        await node_credentials_for(relay.p_url)
+        await node_credentials_for(relay.d_url)
+    except UnprovenNodeError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'{exc}.')
+    return None
+
+
+async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
+    try:
+        capable = await _probe.names_owners(relay.p_url)
+    except NodeCredentialsRefusedError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} refused the credentials of '
+                                                   f'the proxy ({exc}). {CREDENTIALS_HINT}')
+    if capable is None:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable.')
+    if not capable:
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                           f'The Prefill node {relay.p_url} does not name the owner of the caches it keeps, so '
+                           f'DistServe requests through this proxy would leak its sessions. {FIX_HINT}')
+    return None
+
+
+async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
+    """A Prefill and a Decode whose KV caches differ in layout never exchange one (D28): refused before any work."""
+    try:  # one after the other: both are remembered almost always, and a gather would cost two tasks a request
+        prefill, decode = await _probe.kv_layout(relay.p_url), await _probe.kv_layout(relay.d_url)
+    except NodeCredentialsRefusedError:  # the Decode's own call will say so, with the client's credentials
+        return None
+    differences = layout_differences(prefill, decode)
+    if not differences:
+        return None
+    return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                       f'Prefill node {relay.p_url} and Decode node {relay.d_url} cannot share KV caches '
+                       f'({"; ".join(differences)}): {HOW_TO_PAIR}.')
+
+
+def _node_url(nodes, model: str, role) -> str | None:
+    try:
+        return nodes.get_node_url(model, role)
+    except Exception:  # LMDeploy raises TypeError instead of returning None when no node matches
+        return None
+
+
+def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
+    prefill = {**request_dict, 'max_tokens': 1, 'stream': False, 'with_cache': True, 'preserve_cache': True}
+    if 'max_completion_tokens' in prefill:
+        prefill['max_completion_tokens'] = 1
+    if _bans_stop_words_first(request_dict):
+        # LMDeploy drops a min_new_tokens above max_new_tokens (1 here): the first token could stop the answer
+        prefill['min_new_tokens'] = 1
+    return prefill
+
+
+def _bans_stop_words_first(request_dict: dict[str, Any]) -> bool:
+    """Whether the request's min_new_tokens keeps its stop words from its first token, as LMDeploy reads it."""
+    least = request_dict.get('min_new_tokens') or 0
+    most = request_dict.get('max_completion_tokens') or request_dict.get('max_tokens')
+    return isinstance(least, int) and least > 1 and (most is None or least <= most)
+
+
+def _is_batch(request_dict: dict[str, Any]) -> bool:
+    return isinstance(request_dict.get('prompt'), list)
+
+
+def _choices(request_dict: dict[str, Any]) -> int:
+    return request_dict.get('n') or 1
+
+
+def _unsupported(path: str, request_dict: dict[str, Any]) -> str | None:
+    if path == CHAT_PATH and _choices(request_dict) > 1:
+        if _choices(request_dict) > settings.MAX_CHOICES.value():
+            return (f'At most {settings.MAX_CHOICES.value()} choices (n) per request with the DistServe serving '
+                    f'strategy ({settings.MAX_CHOICES.name}).')
+        if request_dict.get('session_id') not in (None, -1):
+            return 'n > 1 cannot be used with an explicit session_id.'  # as a Hybrid node answers it
+    if _is_batch(request_dict) and not request_dict['prompt']:
+        return 'The prompt list is empty.'
+    if _is_batch(request_dict) and not all(isinstance(prompt, str) for prompt in request_dict['prompt']):
+        # a nested list passed the bound below as one prompt while its Prefill kept a cache for each inner one
+        return 'Each prompt of a prompt list must be a string.'
+    if _is_batch(request_dict) and len(request_dict['prompt']) > settings.MAX_PROMPTS.value():
+        return (f'At most {settings.MAX_PROMPTS.value()} prompts per request with the DistServe serving strategy '
+                f'({settings.MAX_PROMPTS.name}).')
+    if _is_batch(request_dict) and request_dict.get('stream') and len(request_dict['prompt']) > 1:
+        return ('Streaming a list of prompts is not supported with the DistServe serving strategy; '
+                'use stream=false or send one prompt per request.')
+    return None
+
+
+def _error_message(status: int, text: str) -> str:
+    """The message of a node's error answer, whatever shape it has."""
+    try:
+        body = parse_json(text)
+    except ValueError:
+        return text.strip()[:500] or HTTPStatus(status).phrase
+    if isinstance(body, dict):
+        error = body.get('error')
+        message = error.get('message') if isinstance(error, dict) else body.get('message') or body.get('text')
+        if message:
+            return str(message)
+    return text.strip()[:500]
+
+
+def _owner_if_any(text: str) -> int | None:
+    try:
+        return parse_prefill_answer(parse_json(text)).owner
+    except (ValueError, PrefillAnswerError) as exc:
+        return getattr(exc, 'owner', None)
+
+
+@dataclass
+class _FinishedAtPrefill:
+    """The Prefill node's answer is already complete (first token was a stop token; its session is ended)."""
+
+    body: dict[str, Any]
+
+    def response(self, path: str, stream: bool) -> JSONResponse | StreamingResponse:
+        body = {key: value for key, value in self.body.items() if key != PREFILL_FINISHED_FIELD}
+        if not stream:
+            return JSONResponse(body)
+        chunk = {key: body[key] for key in ('id', 'created', 'model') if key in body}
+        finish_reason = body['choices'][0].get('finish_reason')
+        if path == CHAT_PATH:
+            chunk.update(object='chat.completion.chunk', choices=[
+                {'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': finish_reason}])
+        else:
+            chunk.update(object='text_completion', choices=[{'index': 0, 'text': '', 'finish_reason': finish_reason}])
+        events = [f'data: {json.dumps(chunk)}\n\n', 'data: [DONE]\n\n']
+        return StreamingResponse(iter(events), media_type='text/event-stream')
+
+
+async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | _FinishedAtPrefill | JSONResponse:
+    call = asyncio.ensure_future(relay.post(relay.p_url, _prefill_request(request_dict)))
+    try:
+        status, text = await asyncio.shield(call)
+    except asyncio.CancelledError:
+        # The client left while the Prefill node works: the cache its answer will name is nobody's to migrate.
+        # Cancelling the call would leave it preserved until the orphan TTL; wait for the answer and release it.
+        await to_the_end(_release_when_answered(relay, call))
+        raise
+    except asyncio.TimeoutError:
+        return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
+    except aiohttp.ClientError as exc:
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable: {exc}')
+    if status != HTTPStatus.OK:
+        await _release_unusable(relay, _owner_if_any(text), 'Prefill error')
+        return relay.error(status, f'Prefill node {relay.p_url}: {_error_message(status, text)}')
+    try:
+        body = parse_json(text)
+        if is_finished_at_prefill(body):
+            return _FinishedAtPrefill(body)
+        answer = parse_prefill_answer(body)
+    except (ValueError, PrefillAnswerError) as exc:
+        relay.ledger.reject(type(exc).__name__)
+        await _release_unusable(relay, getattr(exc, 'owner', None), 'invalid Prefill answer')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Prefill node {relay.p_url}: {exc}')
+    try:
+        relay.hold(answer.owner)
+    except DuplicateOwnerError as exc:
+        relay.ledger.reject(type(exc).__name__)  # never free it: the open record's request owns that cache
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'{exc}; the Prefill node may have restarted.')
+    return answer
+
+
+async def _release_when_answered(relay: _Relay, call: asyncio.Future) -> None:
+    with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+        _, text = await call
+        await _release_unusable(relay, _owner_if_any(text), 'client disconnected during the Prefill')
+
+
+async def _release_unusable(relay: _Relay, owner: int | None, reason: str) -> None:
+    """A Prefill answer that named an owner but cannot be migrated from: free it through the books."""
+    if owner is None:
+        return
+    with contextlib.suppress(DuplicateOwnerError):
+        relay.hold(owner)
+        await relay.release(reason)
+
+
+async def _connect(relay: _Relay) -> tuple[HTTPStatus, str] | None:
+    """None once the Prefill/Decode link is up, else the status and message of why it is not."""
+    pool = relay.nodes.pd_connection_pool
+    if pool.is_connected(relay.p_url, relay.d_url):
+        return None
+    message = relay.proxy.PDConnectionMessage(p_url=relay.p_url, d_url=relay.d_url,
+                                              protocol=relay.nodes.migration_protocol,
+                                              rdma_config=relay.nodes.rdma_config)
+    try:
+        await pool.connect(message)
+    except TooManyWaiting as exc:
+        return HTTPStatus.SERVICE_UNAVAILABLE, f'Prefill {relay.p_url} and Decode {relay.d_url} are not linked: {exc}'
+    except Exception as exc:
+        return HTTPStatus.BAD_GATEWAY, f'Cannot connect Prefill {relay.p_url} and Decode {relay.d_url}: {exc!r}'
+    return None
+
+
+def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer) -> dict[str, Any]:
+    migration = relay.proxy.MigrationRequest(protocol=relay.nodes.migration_protocol,
+                                             remote_engine_id=relay.p_url,
+                                             remote_session_id=answer.owner,
+                                             remote_block_ids=answer.block_ids,
+                                             remote_token_id=answer.first_token_id)
+    migration_request = migration.model_dump(mode='json')
+    if answer.ticket is not None:
+        migration_request[CACHE_TICKET_FIELD] = answer.ticket
+    if answer.prompt is not None:
+        migration_request[PROMPT_DIGEST_FIELD] = answer.prompt
+    if answer.first_logprobs is not None:
+        migration_request[FIRST_LOGPROBS_FIELD] = first_logprobs_on_wire(answer.first_logprobs)
+    return {**request_dict, 'migration_request': migration_request}
+
+
+async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:
+    try:
+        relay.decode_started()
+        status, text = await relay.post(relay.d_url, decode_request)
+        relay.decode_answered()
+        body = parse_json(text) if status == HTTPStatus.OK else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        await relay.release('Decode failed')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    if status != HTTPStatus.OK:
+        await relay.release('Decode error')
+        return relay.error(status, f'Decode node {relay.d_url}: {_error_message(status, text)}')
+    relay.migrated()
+    return JSONResponse(body)
+
+
+class _DecodeStream(StreamingResponse):
+    """Relays the Decode node's event stream; whatever ends it, the relay is settled exactly once."""
+
+    def __init__(self, relay: _Relay, response: aiohttp.ClientResponse, settle: Callable[[bool], Any]) -> None:
+        self._response, self._settle = response, settle
+        self._relay = relay
+        self._migrated = False
+        self.failed = False  # the Decode failed mid-stream: the client got an error event
+        self._settled = False
+        super().__init__(self._events(), media_type='text/event-stream')
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        try:
+            async for event in self._decode_events():
+                yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # The Decode died mid-stream: end the client's stream with an error event, as LMDeploy's own do.
+            self.failed = True
+            error = {'message': f'Decode node {self._relay.d_url} failed mid-stream: {exc!r}',
+                     'type': 'server_error', 'code': HTTPStatus.BAD_GATEWAY.value}
+            yield f'data: {json.dumps({"error": error})}\n\ndata: [DONE]\n\n'.encode()
+
+    async def _decode_events(self) -> AsyncIterator[bytes]:
+        async for line in self._response.content:
+            self._relay.decode_answered()
+            line = line.strip()
+            # The Decode streams tokens only once it copied the cache and freed the Prefill session.
+            self._migrated = self._migrated or (line.startswith(b'data: {') and b'"choices"' in line)
+            if line == b'data: [DONE]':
+                await self.settle()  # before the client sees the end, so the books balance when it does
+                yield line + b'\n\n'
+                return
+            if line:
+                yield line + b'\n\n'
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.settle()
+
+    async def close(self) -> None:
+        """Settle a stream nobody will read (LMDeploy's fan-out closes the choices it discards this way)."""
+        await self.settle()
+
+    async def settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        # a client leaving at the last event cancels the stream task while it settles
+        await to_the_end(self._close_and_settle())
+
+    async def _close_and_settle(self) -> None:
+        # a stream read to its end is back in the pool already; one cut short is closed, so its node sees the
+        # client leave
+        self._response.close()
+        await self._settle(self._migrated)
+
+
+async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> StreamingResponse | JSONResponse:
+    try:
+        start = relay.begin_call(relay.d_url)
+    except NodeGoneError as exc:
+        await relay.release('Decode gone')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    relay.decode_started()
+
+    async def settle(migrated: bool) -> None:
+        relay.nodes.post_call(relay.d_url, start)
+        if migrated:
+            relay.migrated()
+        else:
+            await relay.release('Decode stream ended before any token')
+
+    try:
+        response = await node_post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials,
+                                   timeout=relay.nodes.aiotimeout)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        await settle(False)
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+    not_pooled_after_an_error(response)
+    stream = _DecodeStream(relay, response, settle)
+    if response.status != HTTPStatus.OK:
+        text = await response.text()
+        await stream.settle()
+        return relay.error(response.status, f'Decode node {relay.d_url}: {_error_message(response.status, text)}')
+    return stream
+
+
+async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request,
+                          credentials: dict[str, str], observer: RelayObserver) -> Any:
+    """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
+    request_dict = request.model_dump()
+    problem = _unsupported(path, request_dict)
+    if problem is not None:
+        return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
+
+    def new_relay() -> _Relay:
+        return _Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials, observer=observer)
+
+    if path == CHAT_PATH and _choices(request_dict) > 1:
+        return await _relay_choices(new_relay, request, request_dict)
+    if path == COMPLETIONS_PATH and _choices(request_dict) > 1:
+        request_dict['n'] = 1  # LMDeploy's completions endpoint answers one choice whatever n says
+    if not _is_batch(request_dict):
+        return await _relay_one(new_relay(), request_dict)
+    singles = split_prompts(request_dict)
+    if request_dict.get('stream'):  # a list of one prompt (longer ones are refused above): that prompt's stream
+        return await _relay_one(new_relay(), singles[0])
+    fan_out = asyncio.Semaphore(settings.PROMPTS_IN_FLIGHT)
+
+    async def relay_bounded(single: dict[str, Any]) -> JSONResponse | StreamingResponse:
+        async with fan_out:
+            return await _relay_one(new_relay(), single)
+
+    answers = await asyncio.gather(*(relay_bounded(single) for single in singles))
+    failed = next((answer for answer in answers if answer.status_code != HTTPStatus.OK), None)
+    if failed is not None:
+        return failed  # every prompt's relay has settled its own cache already
+    return JSONResponse(merge_completions([json.loads(answer.body) for answer in answers]))
+
+
+async def _relay_choices(new_relay: Callable[[], _Relay], request: Any, request_dict: dict[str, Any]) -> Any:
+    """A chat with n > 1, answered as a Hybrid node answers it: LMDeploy's own fan-out (one single-choice request
+    per choice, choice i seeded with seed + i) collates the choices, each relayed with its own Prefill cache.
+
+    A failed choice is the answer; LMDeploy cancels the others, or closes the streams they opened, and each
+    relay then releases what it retained.
+    """
+    fanout = importlib.import_module(FANOUT_MODULE)
+
+    async def relay_choice(choice_request: Any, _raw_request: Any) -> dict[str, Any] | Any:
+        answer = await _relay_one(new_relay(), choice_request.model_dump())
+        if isinstance(answer, StreamingResponse) or answer.status_code != HTTPStatus.OK:
+            return answer
+        return json.loads(answer.body)  # the fan-out collates single-choice answers as dicts
+
+    answer = await fanout.fanout_chat_completions(relay_choice, request, None, request_dict)
+    return JSONResponse(answer) if isinstance(answer, dict) else answer
+
+
+def observed(answer: Any, observer: RelayObserver, route: str, started: float) -> Any:
+    """``answer``, reported to ``observer`` once its client has it all: at once, or when its stream ends."""
+    if isinstance(answer, StreamingResponse) and answer.status_code == HTTPStatus.OK:
+        answer.body_iterator = _reported_at_end(answer, answer.body_iterator, observer, route, started)
+    else:
+        observer.finished(route, answer.status_code, time.perf_counter() - started)
+    return answer
+
+
+async def _reported_at_end(answer: StreamingResponse, events: AsyncIterator[Any], observer: RelayObserver,
+                           route: str, started: float) -> AsyncIterator[Any]:
+    status = CLIENT_CLOSED_REQUEST  # unless the stream runs to its end
+    try:
+        async for event in events:
+            yield event
+        status = HTTPStatus.BAD_GATEWAY if getattr(answer, 'failed', False) else HTTPStatus.OK
+    finally:
+        observer.finished(route, status, time.perf_counter() - started)
+
+
+async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
+    """``work``'s answer; if the client disconnects first, ``work`` is cancelled (and so releases)."""
+    task = asyncio.ensure_future(work)
+    # waits on the server's disconnect event: polling every in-flight request cost the proxy CPU per second of
+    # latency, so its CPU per request grew with load and scale
+    left = asyncio.ensure_future(_client_left(raw_request))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            answer = await task
+            close = getattr(answer, 'close', None)  # a stream it made just before the cancel: nobody reads it
+            if close is not None:
+                await close()
+        return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        task.cancel()  # a no-op once it is done; stops it if this handler itself is cancelled
+        left.cancel()
+
+
+async def _client_left(raw_request: Any) -> None:
+    """Return once the client of ``raw_request`` (whose body was read) has disconnected; never without one."""
+    if raw_request is None:
+        await asyncio.Event().wait()
+    while (await raw_request.receive())['type'] != 'http.disconnect':
+        pass
+
+
+async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
+    try:
+        return await _relay_steps(relay, request_dict)
+    except asyncio.CancelledError:
+        # The client left: release what this request retained; closing our connections aborts the Decode.
+        await relay.release('client disconnected')
+        raise
+    except Exception as exc:  # whatever went wrong in here, the retained cache must not outlive the request
+        lmdeploy_logger().exception('lmdeploy-pdfix: DistServe relay failed')
+        await relay.release(f'proxy error {exc!r}')
+        return relay.error(HTTPStatus.INTERNAL_SERVER_ERROR, f'The proxy failed to relay the request: {exc!r}')
+
+
+async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
+    proxy, model = relay.proxy, request_dict['model']
+    relay.p_url = _node_url(relay.nodes, model, proxy.EngineRole.Prefill) or ''
+    relay.d_url = _node_url(relay.nodes, model, proxy.EngineRole.Decode) or ''
+    if not relay.p_url or not relay.d_url:
+        missing = 'Prefill' if not relay.p_url else 'Decode'
+        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
+    with relay.phase('probe'):
+        refused = (await _refuse_unproven(relay) or await _refuse_unfixed_prefill(relay)
+                   or await _refuse_incompatible_pair(relay))
+    if refused is not None:
+        return refused
+    with relay.phase('prefill'):
+        answer = await _prefill(relay, request_dict)
+    if isinstance(answer, JSONResponse):
+        return answer
+    if isinstance(answer, _FinishedAtPrefill):
+        return answer.response(relay.path, bool(request_dict.get('stream')))
+    with relay.phase('link'):
+        unlinked = await _connect(relay)
+    if unlinked is not None:
+        await relay.release('connection failed')
+        return relay.error(*unlinked)
+    relay.record.state = RecordState.MIGRATING
+    decode_request = _decode_request(relay, request_dict, answer)
+    if request_dict.get('stream'):
+        return await _decode_stream(relay, decode_request)
+    return await _decode(relay, decode_request)
