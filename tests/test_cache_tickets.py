@@ -75,7 +75,7 @@ def test_a_ticket_that_expires_later_than_any_prefill_issues_one_is_refused() ->
 def test_a_decode_node_remembers_a_used_ticket_until_it_expires_and_no_longer() -> None:
     # a replay is refused while the ticket could still verify; after that the ticket itself is refused as expired,
     # so the Decode's memory of used tickets follows the orphan TTL, not the traffic
-    from lmdeploy_pdfix.shared.node_routes import TicketKeys
+    from lmdeploy_pdfix.units.decode_migration_checks.checks import TicketKeys
 
     keys, key = TicketKeys(), TicketKey.generate()
     early, late = (key.verify(key.issue(OWNER, [block], expiry), OWNER, [block], now=0.0, longest_s=LONGEST_S)
@@ -162,7 +162,7 @@ def prefill() -> Iterator[tuple[StandInPrefill, str]]:
 async def decode(apply_patch: Callable[[str], ModuleType],
                  prefill: tuple[StandInPrefill, str]) -> AsyncIterator[tuple[httpx.AsyncClient, HeldDecodeEngine]]:
     api_server = apply_patch('decode_migration_checks')
-    from lmdeploy_pdfix.shared.node_routes import NODE
+    from lmdeploy_pdfix.shared.node_state import NODE
 
     NODE.linked_peers[prefill[1]] = THIS_DECODE  # as the proxy's link set-up notes it
     engine = HeldDecodeEngine()

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmdeploy_pdfix.shared.node_book import book_of
-from lmdeploy_pdfix.shared.node_routes import NODE
+from lmdeploy_pdfix.shared.node_state import NODE
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ async def test_an_engine_that_does_not_answer_shows_as_down_not_as_an_error(
     async def unanswered(*args: object) -> None:
         raise TimeoutError('the engine process is gone')
 
-    monkeypatch.setattr('lmdeploy_pdfix.shared.node_routes.engine_call', unanswered)
+    monkeypatch.setattr('lmdeploy_pdfix.shared.node_state.engine_call', unanswered)
     scraped = await scrape(app)
     assert scraped['lmdeploy_pdfix_engine_book_up[]'] == 0
 

@@ -13,11 +13,13 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.owner_ids import is_index, is_owner_id
+from lmdeploy_pdfix.domain.preserved import Verdict
 from lmdeploy_pdfix.domain.tickets import TicketError, TicketKey, ticket_key_id
 
 # LMDeploy's routes the relay serves and calls
@@ -58,6 +60,13 @@ PREFILL_FINISHED_FIELD = 'prefill_finished'
 CAPABILITIES_PATH = '/distserve/pdfix/capabilities'
 # A Decode node confirms with the Prefill node that an owner still holds its blocks before it migrates them.
 CLAIM_PATH = '/distserve/pdfix/claim'
+# the HTTP status of each verdict of a claim: a Decode trusts a verdict only with its own status (fails closed)
+CLAIM_STATUS = {
+    Verdict.CLAIMED.value: HTTPStatus.OK,
+    Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
+    Verdict.RECLAIMED.value: HTTPStatus.GONE,
+    Verdict.REFUSED.value: HTTPStatus.CONFLICT,
+}
 # A Prefill node's ticket key, for the Decode nodes that check its tickets (node credentials required where set).
 TICKET_KEY_PATH = '/distserve/pdfix/ticket_key'
 # A node proves it holds the node key before anyone sends it the key (see node_proof). Under a prefix LMDeploy's

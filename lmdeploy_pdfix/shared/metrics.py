@@ -39,7 +39,7 @@ def outcome_of(status: int) -> str:
 
 
 class ProxyMetrics:
-    """What the relay observes of each request: a :class:`~lmdeploy_pdfix.units.proxy_distserve.relay.RelayObserver`."""
+    """What the relay observes of each request: a :class:`~lmdeploy_pdfix.shared.proxy_books.RelayObserver`."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._requests = Counter(f'{PREFIX}_proxy_requests', 'DistServe requests relayed, by route and outcome',

@@ -39,8 +39,9 @@ from lmdeploy_pdfix.domain.protocol import (
     prompt_digest,
 )
 from lmdeploy_pdfix.patching import Patch, attribute_problem, coroutine_problem, first_problem, signature_problem
-from lmdeploy_pdfix.shared.node_routes import answer_once_confirmed, checked_migration, forget_link, record_link
+from lmdeploy_pdfix.shared.node_state import forget_link, record_link
 from lmdeploy_pdfix.shared.routes import rewritten_answer, swapping_after_register
+from lmdeploy_pdfix.units.decode_migration_checks.checks import answer_once_confirmed, checked_migration
 
 ENDPOINT_MODULES = {
     'lmdeploy.serve.openai.chat_completions': CHAT_PATH,

@@ -21,7 +21,7 @@ from lmdeploy_pdfix.patching import (
     wrapped_original,
 )
 from lmdeploy_pdfix.shared.node_book import engine_call
-from lmdeploy_pdfix.shared.node_routes import forget_link, record_link
+from lmdeploy_pdfix.shared.node_state import forget_link, record_link
 from lmdeploy_pdfix.shared.routes import find_post_route, swap_endpoint
 
 WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'  # the engine methods the routes call

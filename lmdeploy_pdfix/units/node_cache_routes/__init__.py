@@ -5,7 +5,7 @@ a running request can be ended by a stale id, and a miss is an "invalid free" er
 unit the route releases only a cache the engine's book of preserved caches holds (``engine_sessions``), and
 says so: ``released``, ``not_found`` or ``refused``, each definitive. ``POST /distserve/pdfix/claim`` lets a
 Decode node confirm a cache before it migrates it, and ``GET /distserve/pdfix/audit`` shows the book. The
-handlers are in :mod:`lmdeploy_pdfix.shared.node_routes`.
+handlers are in :mod:`.routes`.
 
 The book lives in the engine process, which runs the same code with the same switches: this unit requires
 ``engine_sessions`` in its own process, and where that does not apply the node keeps LMDeploy's free and serves
@@ -18,8 +18,8 @@ from types import ModuleType
 
 from lmdeploy_pdfix.domain.protocol import FREE_PATH
 from lmdeploy_pdfix.patching import Patch, signature_problem
-from lmdeploy_pdfix.shared.node_routes import add_node_routes, free_cache_endpoint
 from lmdeploy_pdfix.shared.routes import swap_endpoint
+from lmdeploy_pdfix.units.node_cache_routes.routes import add_node_routes, free_cache_endpoint
 
 DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'
 

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.patching import Patch, signature_problem, warn_once
-from lmdeploy_pdfix.shared.node_routes import NODE, node_audit
+from lmdeploy_pdfix.shared.node_state import NODE, node_audit
 
 API_SERVER_MODULE = 'lmdeploy.serve.openai.api_server'
 METRICS_PATH = '/metrics'

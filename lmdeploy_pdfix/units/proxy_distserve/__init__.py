@@ -17,7 +17,6 @@ first token; and a Prefill/Decode pair whose KV layouts differ is refused before
 from __future__ import annotations
 
 import importlib
-import sys
 import time
 from collections import Counter
 from types import ModuleType
@@ -33,10 +32,10 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
 )
 from lmdeploy_pdfix.shared.node_client import close_node_client
+from lmdeploy_pdfix.shared.proxy_books import PROXY
 from lmdeploy_pdfix.shared.routes import find_post_route, restore_route, swap_endpoint
 from lmdeploy_pdfix.units.proxy_distserve.relay import (
     FANOUT_MODULE,
-    RelayObserver,
     observed,
     relay_distserve,
     release,
@@ -49,10 +48,9 @@ NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config'
                       'dummy_prefill', 'serving_strategy')
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
 GC_AGE_S = settings.GC_AGE_S.value()
-HEARTBEAT_MODULE = 'lmdeploy_pdfix.units.proxy_heartbeat'
 
 
-def _relaying_distserve(proxy: ModuleType, path: str, patch: ProxyDistServePatch):
+def _relaying_distserve(proxy: ModuleType, path: str):
     def make_endpoint(original):
         async def endpoint(request, raw_request=None):
             nodes = proxy.node_manager
@@ -61,10 +59,10 @@ def _relaying_distserve(proxy: ModuleType, path: str, patch: ProxyDistServePatch
             rejected = await nodes.check_request_model(request.model)
             if rejected is not None:
                 return rejected
-            started, observer = time.perf_counter(), patch.observer
+            started, observer = time.perf_counter(), PROXY.observer
             credentials = forwarded_credentials(getattr(raw_request, 'headers', None))
             answer = await until_client_leaves(
-                raw_request, relay_distserve(proxy, path, patch.ledger, request, credentials, observer))
+                raw_request, relay_distserve(proxy, path, PROXY.ledger, request, credentials, observer))
             return observed(answer, observer, path, started)
 
         return endpoint
@@ -96,8 +94,6 @@ class ProxyDistServePatch(Patch):
     def __init__(self) -> None:
         super().__init__()
         self._originals: list[Any] = []
-        self.ledger = OwnerLedger()
-        self.observer = RelayObserver()  # proxy_metrics puts in one that counts
 
     def shape_problem(self, module: ModuleType) -> str | None:
         missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
@@ -131,21 +127,19 @@ class ProxyDistServePatch(Patch):
         )
 
     def _apply(self, module: ModuleType) -> None:
-        self.ledger = OwnerLedger()
+        PROXY.ledger = OwnerLedger()
         routes = module.app.router.routes
         for path in (CHAT_PATH, COMPLETIONS_PATH):
-            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path, self)))
-        self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, self.ledger)))
+            self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path)))
+        self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, PROXY.ledger)))
         module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
         module.app.router.on_shutdown.append(close_node_client)
 
     def audit(self) -> dict[str, Any]:
         """The proxy's books (open records by state, oldest age, releases by cause, owner rejections), the nodes
         its heartbeat removed, and what it runs."""
-        heartbeat = sys.modules.get(HEARTBEAT_MODULE)
-        removed = heartbeat.PATCH.removed_nodes.snapshot() if heartbeat is not None else {}
-        removed_roles = {url: getattr(getattr(status, 'role', None), 'name', None) for url, status in removed.items()}
-        return {**self.ledger.audit(time.monotonic()), 'removed_nodes': removed_roles, 'software': installation()}
+        return {**PROXY.ledger.audit(time.monotonic()), 'removed_nodes': PROXY.removed_roles(),
+                'software': installation()}
 
     def _revert(self, module: ModuleType) -> None:
         routes = module.app.router.routes

@@ -55,6 +55,7 @@ from lmdeploy_pdfix.shared.node_client import (
     node_post,
     not_pooled_after_an_error,
 )
+from lmdeploy_pdfix.shared.proxy_books import RelayObserver
 
 T = TypeVar('T')
 
@@ -91,17 +92,6 @@ async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause,
         return ledger.close(record, cause)
     ledger.release_failed(record, cause)
     return False
-
-
-class RelayObserver:
-    """What the relay reports of each request; this one drops it (``proxy_metrics`` puts in one that counts)."""
-
-    def phase(self, name: str, seconds: float) -> None:
-        """``seconds`` spent in one phase: probe, prefill, link, decode_first_byte."""
-
-    def finished(self, route: str, status: int, seconds: float) -> None:
-        """A request to ``route`` ended with the ``status`` its client got (499: the client left) after
-        ``seconds`` in all."""
 
 
 class NodeGoneError(aiohttp.ClientConnectionError):

@@ -29,6 +29,7 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
     warn,
 )
+from lmdeploy_pdfix.shared.proxy_books import PROXY
 
 HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
 # well above a slow spell (several of LMDeploy's 90-s heartbeats); a node down longer registers anew at its start
@@ -157,12 +158,14 @@ class ProxyHeartbeatPatch(Patch):
         )
 
     def _apply(self, module: ModuleType) -> None:
+        PROXY.removed_nodes = self.removed_nodes  # the proxy's audit names them
         self.wrap(module.NodeManager, 'remove_stale_nodes_by_expiration', _heartbeat(self.removed_nodes))
         self.wrap(module.NodeManager, 'remove', _forgetting_removed(self.removed_nodes))
 
     def _revert(self, module: ModuleType) -> None:
         super()._revert(module)
         self.removed_nodes = RemovedNodes()
+        PROXY.removed_nodes = None
 
 
 PATCH = ProxyHeartbeatPatch()

@@ -14,7 +14,7 @@ from types import ModuleType
 from fastapi.responses import Response
 
 from lmdeploy_pdfix.patching import Patch
-from lmdeploy_pdfix.units.proxy_distserve.relay import RelayObserver
+from lmdeploy_pdfix.shared.proxy_books import PROXY, RelayObserver
 
 PROXY_MODULE = 'lmdeploy.serve.proxy.proxy'
 METRICS_PATH = '/metrics'
@@ -43,14 +43,13 @@ class ProxyMetricsPatch(Patch):
         )
 
         from lmdeploy_pdfix.shared.metrics import LedgerCollector, ProxyMetrics
-        from lmdeploy_pdfix.units.proxy_distserve import PATCH as DISTSERVE
 
         registry = CollectorRegistry()  # its own: a process may apply and revert this unit more than once
         for collector in (process_collector.ProcessCollector, gc_collector.GCCollector,
                           platform_collector.PlatformCollector):
             collector(registry=registry)
-        registry.register(LedgerCollector(lambda: DISTSERVE.ledger, time.monotonic))
-        DISTSERVE.observer = ProxyMetrics(registry)
+        registry.register(LedgerCollector(lambda: PROXY.ledger, time.monotonic))
+        PROXY.observer = ProxyMetrics(registry)
 
         async def metrics() -> Response:
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -58,9 +57,7 @@ class ProxyMetricsPatch(Patch):
         module.app.add_api_route(METRICS_PATH, metrics, methods=['GET'], include_in_schema=False)
 
     def _revert(self, module: ModuleType) -> None:
-        from lmdeploy_pdfix.units.proxy_distserve import PATCH as DISTSERVE
-
-        DISTSERVE.observer = RelayObserver()
+        PROXY.observer = RelayObserver()
         routes = module.app.router.routes
         routes[:] = [route for route in routes if getattr(route, 'path', None) != METRICS_PATH]
 

@@ -58,7 +58,7 @@ from lmdeploy_pdfix.domain.protocol import (
 )
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
 from lmdeploy_pdfix.shared.node_book import release_cache
-from lmdeploy_pdfix.shared.node_routes import issue_ticket
+from lmdeploy_pdfix.shared.node_state import issue_ticket
 from lmdeploy_pdfix.shared.routes import (
     each_transformed,
     find_post_route,

@@ -1,22 +1,7 @@
-"""The api_server side of a DistServe node: truthful frees, claims, the node audit, migration checks.
-
-The book of preserved caches lives in the engine process; these handlers reach it through the methods the
-``engine_sessions`` patch adds to the engine's RPC worker (or directly, for an in-process engine).
-
-- ``POST /distserve/free_cache`` (D15) releases only a preserved cache of this node and always answers 200
-  with ``status`` ``released``, ``not_found`` or ``refused`` and a ``detail``: each is definitive, so no
-  caller retries it, and unknown ids are counted instead of logged as errors.
-- ``POST /distserve/pdfix/claim`` lets a Decode node confirm that the owner still holds exactly those blocks;
-  a confirmed cache is safe from the orphan TTL for the claim's lease.
-- ``GET /distserve/pdfix/ticket_key``: this Prefill node's ticket key (:mod:`lmdeploy_pdfix.domain.tickets`), for the
-  Decode nodes that check the tickets its answers carry; only to a caller presenting the node key (whoever holds
-  the ticket key can forge tickets), so without a node key the Decodes confirm every cache by a claim first.
-- A Decode node checks every ``migration_request`` (D5, #4965) before LMDeploy sees it: well formed, from a
-  Prefill node it is linked to, and either vouched for by the Prefill's ticket (then the claim runs while the
-  engine migrates, and the answer waits for it) or confirmed by a claim first. A failed check is a 4xx naming
-  the problem, the later claim's included.
-- ``GET /distserve/pdfix/audit``: preserved caches by age, releases by cause, frees that released nothing,
-  claims, migration failures, and the migration requests this node refused.
+"""A Decode node checks every ``migration_request`` (D5, #4965) before LMDeploy sees it: well formed, from a
+Prefill node it is linked to, and either vouched for by the Prefill's ticket (then the claim runs while the engine
+migrates, and the answer waits for it) or confirmed by a claim first. A failed check is a 4xx naming the problem,
+the later claim's included.
 """
 
 from __future__ import annotations
@@ -24,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -34,135 +19,29 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lmdeploy_pdfix import settings
-from lmdeploy_pdfix.domain.owner_ids import is_owner_id
-from lmdeploy_pdfix.domain.preserved import ReleaseCause, Verdict, remember_recent
+from lmdeploy_pdfix.domain.preserved import Verdict, remember_recent
 from lmdeploy_pdfix.domain.protocol import (
-    AUDIT_PATH,
     CLAIM_PATH,
+    CLAIM_STATUS,
     TICKET_KEY_PATH,
     Claim,
     MigrationOrder,
     MigrationRequestError,
     claim_body,
     credentials_hint,
-    parse_claim,
     parse_json,
     parse_migration_request,
     parse_ticket_key,
-    presents_node_key,
-    ticket_key_answer,
 )
 from lmdeploy_pdfix.domain.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey, Voucher
-from lmdeploy_pdfix.patching import installation, warn
-from lmdeploy_pdfix.shared.node_book import engine_book_available, engine_call
 from lmdeploy_pdfix.shared.node_client import UnprovenNodeError, node_client, node_credentials_for, node_post
+from lmdeploy_pdfix.shared.node_state import NODE, ORPHAN_TTL_S
 
 CLAIM_TIMEOUT_S = 10.0
 TICKET_KEY_TIMEOUT_S = 5.0
 NO_TICKET_KEY_RETRY_S = 5.0  # a Prefill node that gave no key is asked again after this long
 SPENT_TICKETS_REMEMBERED = 65536  # a cap: used tickets are forgotten as they expire; about 11 MiB when full
-ORPHAN_TTL_S = settings.ORPHAN_TTL_S.value()  # read once, as the engine's book reads it at its start
 TICKET_CLOCK_SKEW_S = 60.0  # a Prefill's clock may run this far ahead of its Decode's
-_CLAIM_STATUS = {
-    Verdict.CLAIMED.value: HTTPStatus.OK,
-    Verdict.NOT_FOUND.value: HTTPStatus.NOT_FOUND,
-    Verdict.RECLAIMED.value: HTTPStatus.GONE,
-    Verdict.REFUSED.value: HTTPStatus.CONFLICT,
-}
-
-
-class NodeBooks:
-    """What this api_server process knows besides the engine's book: its links and refused migrations."""
-
-    def __init__(self) -> None:
-        self.linked_peers: dict[str, str] = {}  # a linked node: this node, as that link names it
-        self.refused_migrations: Counter[str] = Counter()
-        self.server_context: Any = None  # LMDeploy's, once its distserve routes are registered
-        self.ticket_key = TicketKey.generate()  # this incarnation's, for the caches it preserves as a Prefill
-
-
-NODE = NodeBooks()
-
-
-def add_node_routes(router: Any, server_context: Any) -> None:
-    """The claim and audit routes; the caller swaps ``/distserve/free_cache`` for :func:`free_cache`."""
-
-    @router.post(CLAIM_PATH)
-    async def pdfix_claim(raw_request: Request) -> JSONResponse:
-        try:
-            claim = parse_claim(parse_json(await raw_request.body()))
-        except ValueError as exc:  # not JSON (json's error) or not a claim (ours)
-            detail = str(exc) if isinstance(exc, MigrationRequestError) else 'the body is not JSON'
-            return JSONResponse({'status': Verdict.REFUSED.value, 'detail': detail}, HTTPStatus.BAD_REQUEST)
-        return await _engine_answer(server_context, _CLAIM_STATUS, 'pdfix_claim_preserved', *claim)
-
-    NODE.server_context = server_context
-
-    @router.get(TICKET_KEY_PATH)
-    async def pdfix_ticket_key(raw_request: Request) -> JSONResponse:
-        if not presents_node_key(raw_request.headers):  # whoever has the key forges tickets
-            return JSONResponse({'detail': f'the ticket key is given only to nodes presenting '
-                                           f'{settings.NODE_API_KEY.name}; without it a Decode node confirms '
-                                           'each cache by a claim first'}, HTTPStatus.FORBIDDEN)
-        return JSONResponse(ticket_key_answer(NODE.ticket_key))
-
-    @router.get(AUDIT_PATH)
-    async def pdfix_audit() -> dict[str, Any]:
-        return {**await node_audit(), 'software': installation(), 'node_key': settings.NODE_API_KEY.value() is not None}
-
-
-async def node_audit() -> dict[str, Any]:
-    """The engine's book of preserved caches, with this api_server's refused migrations and links."""
-    engine = await engine_call(NODE.server_context.async_engine, 'pdfix_audit')
-    return {**engine, 'refused_migration_requests': dict(NODE.refused_migrations),
-            'linked_peers': sorted(NODE.linked_peers)}
-
-
-async def _engine_answer(server_context: Any, statuses: dict[str, int], method: str, *args: Any) -> JSONResponse:
-    """The book's answer to a free or a claim, with the HTTP status of its verdict (200 where ``statuses`` has
-    none); 503 when the engine cannot answer: the request is undecided, not refused."""
-    try:
-        answer = await engine_call(server_context.async_engine, method, *args)
-    except Exception as exc:
-        warn(f'{method} failed in the engine: {exc!r}')
-        return JSONResponse({'status': 'unavailable', 'detail': 'the engine did not answer'},
-                            HTTPStatus.SERVICE_UNAVAILABLE)
-    return JSONResponse(answer, statuses.get(answer['status'], HTTPStatus.OK))
-
-
-def free_cache_endpoint(server_context: Any):
-    def make_endpoint(endpoint):
-        # FastAPI reads the body model from LMDeploy's endpoint: swap_endpoint makes it this one's __wrapped__
-        async def free_cache(cache_free_request) -> JSONResponse:
-            owner = cache_free_request.remote_session_id
-            if not is_owner_id(owner):
-                return JSONResponse({'status': Verdict.REFUSED.value, 'detail': 'remote_session_id is not a cache '
-                                     'owner (a non-negative 64-bit integer)'}, HTTPStatus.BAD_REQUEST)
-            return await _engine_answer(server_context, {}, 'pdfix_release_preserved', owner,
-                                        ReleaseCause.FREED.value)
-
-        return free_cache
-
-    return make_endpoint
-
-
-def record_link(init_request: Any) -> None:
-    NODE.linked_peers[init_request.remote_engine_id] = init_request.local_engine_id
-
-
-def forget_link(drop_request: Any) -> None:
-    # LMDeploy's route passes one request, its type hint says a list
-    for request in drop_request if isinstance(drop_request, list) else [drop_request]:
-        NODE.linked_peers.pop(request.remote_engine_id, None)
-
-
-def issue_ticket(owner: int, block_ids: list[int]) -> str | None:
-    """This Prefill node's ticket for ``owner``'s preserved blocks, valid until the orphan TTL would reclaim them;
-    None where the engine keeps no book (no claim could confirm the cache either)."""
-    if not engine_book_available():
-        return None
-    return NODE.ticket_key.issue(owner, block_ids, time.time() + ORPHAN_TTL_S)
 
 
 @dataclass
@@ -364,7 +243,7 @@ async def _claim(prefill: str, claim: Claim) -> tuple[int, str | None]:
     with contextlib.suppress(ValueError):
         body = parse_json(text)
     verdict = body.get('status') if isinstance(body, dict) else None
-    if verdict not in _CLAIM_STATUS or _CLAIM_STATUS[verdict] != status:
+    if verdict not in CLAIM_STATUS or CLAIM_STATUS[verdict] != status:
         # fails closed: a 404 without a verdict is no Prefill with pdfix (or a URL that is not the node itself),
         # a 401 is refused credentials; never migrate what nobody confirmed
         return (HTTPStatus.BAD_GATEWAY, f'Prefill node {prefill} did not confirm the cache (HTTP {status}, no '
