@@ -36,7 +36,7 @@ from lmdeploy_pdfix.domain.protocol import (
 from lmdeploy_pdfix.domain.tickets import ExpiredTicketError, StaleTicketError, TicketError, TicketKey
 from tests.servers import serving
 from tests.test_node_input import migrating, node_client
-from tests.test_serving_owner import MODEL, FakePrefillEngine
+from tests.test_serving_cache_owner import MODEL, FakePrefillEngine
 
 OWNER, BLOCKS = 7, [1, 2]
 THIS_DECODE = 'http://127.0.0.1:9001'  # this Decode node, as its link to the Prefill names it

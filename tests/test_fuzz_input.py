@@ -28,7 +28,7 @@ from lmdeploy_pdfix.domain.protocol import (
 )
 from tests.stand_in_nodes import MODEL, Cluster, audit
 from tests.test_node_input import EngineRpc, node_client
-from tests.test_serving_owner import FakePrefillEngine
+from tests.test_serving_cache_owner import FakePrefillEngine
 
 pytestmark = pytest.mark.filterwarnings('ignore::hypothesis.errors.HypothesisWarning')  # the cluster's long repr
 

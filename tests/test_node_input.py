@@ -1,7 +1,7 @@
 """What a node does with hostile or malformed DistServe input: a short 4xx, nothing acted on (issue 11).
 
 LMDeploy's real OpenAI router, built as ``api_server.serve`` builds it, over the fake engine of
-``test_serving_owner``; the claim route's engine call is a stand-in that records what reached it.
+``test_serving_cache_owner``; the claim route's engine call is a stand-in that records what reached it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from lmdeploy.serve.parsers import ResponseParserManager
 
 from lmdeploy_pdfix.domain.protocol import CLAIM_PATH, COMPLETIONS_PATH, DUMMY_PREFILL_FIELD
-from tests.test_serving_owner import MODEL, FakePrefillEngine
+from tests.test_serving_cache_owner import MODEL, FakePrefillEngine
 
 PREFILL = 'http://127.0.0.1:1'  # never linked to the node under test
 

@@ -2,7 +2,7 @@
 
 LMDeploy's real ``EngineLoop.start`` starts its loop tasks and LMDeploy's real engine health check judges them;
 the loops' bodies are stood in for (no model here). The GPU-free cluster shows the 503 and the proxy dropping
-the node (``e2e/test_engine_health.py``).
+the node (``e2e/test_engine_loop_health.py``).
 """
 
 from __future__ import annotations
