@@ -1,6 +1,6 @@
 """Every request option of LMDeploy's chat and completions protocols, sent to a Hybrid node and through DistServe.
 
-The one list of options the parity suite (``tests/e2e/test_parity.py``) and the README's parity table
+The one list of options the parity suite (``tests/e2e/test_parity.py``) and the parity table (docs/parity.md)
 (``scripts/parity_table.py``) use. :data:`NOT_OPTIONS` names the protocol fields that are not options (the
 prompt itself, the route's dimensions); a test checks that the two lists together cover every field of
 LMDeploy's request models, so an option a new release adds shows up as missing here.
