@@ -1,4 +1,4 @@
-"""The parity table of docs/parity.md: every request option, sent to a Hybrid node and through DistServe, stock and patched.
+"""The parity table of docs/parity.md: every request option, sent to a Hybrid node and through DistServe.
 
 Starts a GPU-free cluster (1 Prefill + 1 Decode + 1 Hybrid) with LMDeploy as released, then one with
 lmdeploy-pdfix, sends every case of ``tests/parity.py`` (whole and streamed) to each cluster's Hybrid node and
