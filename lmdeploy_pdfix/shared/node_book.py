@@ -14,8 +14,7 @@ from typing import Any
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.preserved import Answer, PreservedBook, ReleaseCause, Verdict
 from lmdeploy_pdfix.patching import unit_applied
-
-ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
+from lmdeploy_pdfix.shared.lmdeploy_modules import ENGINE_MODULE
 
 _ATTRIBUTE = '_lmdeploy_pdfix_preserved_book'
 

@@ -27,9 +27,9 @@ from typing import Any
 
 from lmdeploy_pdfix.domain.protocol import MIGRATED_FIRST_TOKEN_KEY
 from lmdeploy_pdfix.patching import Patch, attribute_problem, coroutine_problem, first_problem, signature_problem
+from lmdeploy_pdfix.shared.lmdeploy_modules import MESSAGES_MODULE
 
 SAMPLING_MODULE = 'lmdeploy.pytorch.strategies.ar.sampling'
-MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 
 
 def first_token_ends(msg: Any) -> bool:

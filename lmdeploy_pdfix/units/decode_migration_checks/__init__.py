@@ -31,24 +31,17 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.domain.protocol import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
     DUMMY_PREFILL_FIELD,
     FirstLogprobs,
     MigrationOrder,
     prompt_digest,
 )
 from lmdeploy_pdfix.patching import Patch, attribute_problem, coroutine_problem, first_problem, signature_problem
+from lmdeploy_pdfix.shared.lmdeploy_modules import ASYNC_ENGINE_MODULE, ENDPOINT_MODULES, ERRORS_MODULE
 from lmdeploy_pdfix.shared.node_state import forget_link, record_link
 from lmdeploy_pdfix.shared.routes import rewritten_answer, swapping_after_register
 from lmdeploy_pdfix.units.decode_migration_checks.checks import answer_once_confirmed, checked_migration
 
-ENDPOINT_MODULES = {
-    'lmdeploy.serve.openai.chat_completions': CHAT_PATH,
-    'lmdeploy.serve.openai.endpoints.completions': COMPLETIONS_PATH,
-}
-ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
-ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
 EXCEPTIONS_MODULE = 'lmdeploy.serve.core.exceptions'
 PROTOCOL_MODULE = 'lmdeploy.pytorch.disagg.conn.protocol'
 

@@ -35,13 +35,10 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
     warn,
 )
+from lmdeploy_pdfix.shared.lmdeploy_modules import MESSAGES_MODULE, SCHEDULER_MODULE, WORKER_MODULE
 from lmdeploy_pdfix.shared.node_book import WORKER_METHODS, book_of, preserve, preserved_sequence, release_preserved
 
-ENGINE_MODULE = 'lmdeploy.pytorch.engine.engine'
-SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
-WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'
 CONFIG_MODULE = 'lmdeploy.pytorch.config'
-MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
 
 _RECLAIM_INTERVAL_CAP_S = 30.0
 

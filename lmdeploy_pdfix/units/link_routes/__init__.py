@@ -20,11 +20,10 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
     wrapped_original,
 )
+from lmdeploy_pdfix.shared.lmdeploy_modules import WORKER_MODULE
 from lmdeploy_pdfix.shared.node_book import engine_call
 from lmdeploy_pdfix.shared.node_state import forget_link, record_link
 from lmdeploy_pdfix.shared.routes import find_post_route, swap_endpoint
-
-WORKER_MODULE = 'lmdeploy.pytorch.engine.mp_engine.base_worker'  # the engine methods the routes call
 
 # LMDeploy's link routes, by path: the engine method each calls, and what this node notes of it afterwards.
 LINK_ROUTES: dict[str, tuple[str, Any]] = {

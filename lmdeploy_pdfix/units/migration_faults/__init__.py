@@ -52,6 +52,7 @@ from lmdeploy_pdfix.patching import (
     signature_problem,
     warn,
 )
+from lmdeploy_pdfix.shared.lmdeploy_modules import MESSAGES_MODULE, SCHEDULER_MODULE
 from lmdeploy_pdfix.shared.node_book import CacheFreeNotSent, book_of
 
 MIGRATION_TIMEOUT_S = settings.MIGRATION_TIMEOUT_S.value()
@@ -59,8 +60,6 @@ CLAIM_LEASE_S = settings.CLAIM_LEASE_S.value()
 # how long the blocks of a copy that failed stay out of reuse: no peer worker's copy outlasts a deadline
 QUARANTINE_S = MIGRATION_TIMEOUT_S
 BLOCK_MANAGER_MODULE = 'lmdeploy.pytorch.paging.block_manager.base_block_manager'
-MESSAGES_MODULE = 'lmdeploy.pytorch.messages'
-SCHEDULER_MODULE = 'lmdeploy.pytorch.paging.scheduler'
 
 Migrate = Callable[[Any, list[Any]], Awaitable[None]]
 Respond = Callable[..., None]

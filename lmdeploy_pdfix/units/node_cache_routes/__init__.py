@@ -18,10 +18,9 @@ from types import ModuleType
 
 from lmdeploy_pdfix.domain.protocol import FREE_PATH
 from lmdeploy_pdfix.patching import Patch, signature_problem
+from lmdeploy_pdfix.shared.lmdeploy_modules import DISTSERVE_MODULE
 from lmdeploy_pdfix.shared.routes import swap_endpoint
 from lmdeploy_pdfix.units.node_cache_routes.routes import add_node_routes, free_cache_endpoint
-
-DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'
 
 
 def _adding_cache_routes(original):

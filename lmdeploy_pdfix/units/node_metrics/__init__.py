@@ -14,9 +14,9 @@ from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix.patching import Patch, signature_problem, warn_once
+from lmdeploy_pdfix.shared.lmdeploy_modules import API_SERVER_MODULE
 from lmdeploy_pdfix.shared.node_state import NODE, node_audit
 
-API_SERVER_MODULE = 'lmdeploy.serve.openai.api_server'
 METRICS_PATH = '/metrics'
 ENGINE_READ_TIMEOUT_S = 2.0  # a wedged engine must not wedge the scrape: its figures go stale, engine_book_up 0
 

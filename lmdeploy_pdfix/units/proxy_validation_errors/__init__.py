@@ -18,8 +18,7 @@ from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 
 from lmdeploy_pdfix.patching import Patch
-
-API_SERVER_MODULE = 'lmdeploy.serve.openai.api_server'
+from lmdeploy_pdfix.shared.lmdeploy_modules import API_SERVER_MODULE
 
 
 async def validation_error(request: Any, exc: RequestValidationError) -> Any:

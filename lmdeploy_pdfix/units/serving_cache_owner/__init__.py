@@ -41,7 +41,6 @@ from lmdeploy_pdfix.domain.protocol import (
     CAPABILITIES_PATH,
     CHAT_PATH,
     CLAIM_PATH,
-    COMPLETIONS_PATH,
     FIRST_LOGPROBS_FIELD,
     NODE_PROOF_PATH,
     PREFILL_FINISHED_FIELD,
@@ -57,6 +56,12 @@ from lmdeploy_pdfix.domain.protocol import (
     with_owner,
 )
 from lmdeploy_pdfix.patching import Patch, first_problem, signature_problem
+from lmdeploy_pdfix.shared.lmdeploy_modules import (
+    ASYNC_ENGINE_MODULE,
+    DISTSERVE_MODULE,
+    ENDPOINT_MODULES,
+    ERRORS_MODULE,
+)
 from lmdeploy_pdfix.shared.node_book import release_cache
 from lmdeploy_pdfix.shared.node_state import issue_ticket
 from lmdeploy_pdfix.shared.routes import (
@@ -65,15 +70,6 @@ from lmdeploy_pdfix.shared.routes import (
     rewritten_answer,
     swapping_after_register,
 )
-
-# The routes whose ``with_cache`` answers must name their owner, by the module that registers each.
-ENDPOINT_MODULES = {
-    'lmdeploy.serve.openai.chat_completions': CHAT_PATH,
-    'lmdeploy.serve.openai.endpoints.completions': COMPLETIONS_PATH,
-}
-DISTSERVE_MODULE = 'lmdeploy.serve.openai.endpoints.distserve'  # where the capability route joins
-ASYNC_ENGINE_MODULE = 'lmdeploy.serve.core.async_engine'
-ERRORS_MODULE = 'lmdeploy.serve.openai.errors'
 
 
 @dataclass
