@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from lmdeploy_pdfix.registry import PATCHES
 from lmdeploy_pdfix_sim.misshape import misshapen_target
+from tests.forked import WarmInterpreter
 
 TARGET = 'lmdeploy.pytorch.disagg.conn.proxy_conn'
 
@@ -36,10 +38,15 @@ REPORT = textwrap.dedent(f"""
 """)
 
 
-def run_python(code: str, tmp_path: Path, *, toggle: str | None = None, args: tuple[str, ...] = (),
-               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def stock_env() -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith('LMDEPLOY_PDFIX')}
     env.pop('PYTHONPATH', None)
+    return env
+
+
+def run_python(code: str, tmp_path: Path, *, toggle: str | None = None, args: tuple[str, ...] = (),
+               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = stock_env()
     if toggle is not None:
         env['LMDEPLOY_PDFIX'] = toggle
     env.update(extra_env or {})
@@ -223,8 +230,16 @@ def test_an_unknown_name_in_the_disable_list_is_reported(tmp_path: Path) -> None
     assert any('names no patch called engine_session' in line for line in logged(result))
 
 
+@pytest.fixture(scope='module')
+def warm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmInterpreter]:
+    interpreter = WarmInterpreter(stock_env(), tmp_path_factory.mktemp('warm'))
+    yield interpreter
+    interpreter.close()
+
+
 @pytest.mark.parametrize('unit', sorted(spec.name for spec in PATCHES))
-def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_applied(tmp_path: Path, unit: str) -> None:
+def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_applied(
+        tmp_path: Path, warm: WarmInterpreter, unit: str) -> None:
     module_name, path = misshapen_target(unit).split(':')
     attribute, *parents = reversed(path.split('.'))
     code = textwrap.dedent(f"""
@@ -241,7 +256,8 @@ def test_a_unit_refused_alone_leaves_its_target_stock_and_every_other_unit_appli
                            'reasons': {{row['name']: row['reason'] for row in rows}},
                            'untouched': is_untouched(module, {path!r}, misshapen)}}))
     """)
-    result = run_python(code, tmp_path)
+    result = warm.run(code, tmp_path)  # a fresh LMDeploy, the hook not run: install() does it
+    assert result.returncode == 0, result.stdout
     report = last_json(result)
     dependants = {spec.name for spec in PATCHES if unit in spec.requires}
     refused = {name for name, state in report['states'].items() if state != 'applied'}
