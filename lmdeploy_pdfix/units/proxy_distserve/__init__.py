@@ -3,7 +3,7 @@
 LMDeploy's proxy takes the Prefill answer's public ``id`` as the cache owner: ``int('chatcmpl-…')`` fails
 every chat with HTTP 500, and completions carry the caller's ``session_id`` (``-1``), so the Decode node's
 free misses and the Prefill session is kept forever. This patch serves both routes in DistServe mode with
-our own relay (``_relay.py``), which takes the owner from ``cache_session_id`` only, answers a missing or
+our own relay (``relay.py`` beside it), which takes the owner from ``cache_session_id`` only, answers a missing or
 invalid owner with a clear 502, releases the Prefill cache on every failure it sees, and returns the Decode
 node's status as it is. It also makes ``POST /distserve/gc`` work (D17) and adds ``GET
 /distserve/pdfix/audit``. Hybrid mode and ``--dummy-prefill`` keep LMDeploy's own handlers.
