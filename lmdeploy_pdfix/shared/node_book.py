@@ -60,7 +60,6 @@ def release_unclaimed(engine: Any, cause: ReleaseCause) -> list[int]:
             if release_preserved(engine, owner, cause).verdict is Verdict.RELEASED]
 
 
-
 def preserved_sequence(scheduler: Any, session_id: int) -> Any:
     session = scheduler.sessions.get(session_id)
     sequences = list(session.sequences.values()) if session is not None else []

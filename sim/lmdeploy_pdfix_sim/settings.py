@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from lmdeploy_pdfix.settings import is_truthy
+
 TOGGLE = 'LMDEPLOY_PDFIX_SIM'  # 1: this interpreter is a node of a GPU-free cluster
 NUM_BLOCKS = 'LMDEPLOY_PDFIX_SIM_NUM_BLOCKS'  # KV blocks of each node
 DROP_KV = 'LMDEPLOY_PDFIX_SIM_DROP_KV'  # 1: a Decode skips the KV copy (a negative control)
@@ -14,12 +16,8 @@ STATE = 'LMDEPLOY_PDFIX_SIM_STATE'  # the file where an engine publishes its sch
 MISSHAPE = 'LMDEPLOY_PDFIX_SIM_MISSHAPE'  # module:attribute.path made the wrong shape before any unit sees it
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, '').strip().lower() in ('1', 'true', 'yes', 'on')
-
-
 def enabled() -> bool:
-    return _truthy(TOGGLE)
+    return is_truthy(os.environ.get(TOGGLE))
 
 
 def num_blocks() -> int:
@@ -27,11 +25,11 @@ def num_blocks() -> int:
 
 
 def drops_kv() -> bool:
-    return _truthy(DROP_KV)
+    return is_truthy(os.environ.get(DROP_KV))
 
 
 def raw_start() -> bool:
-    return _truthy(RAW_START)
+    return is_truthy(os.environ.get(RAW_START))
 
 
 def faults_folder() -> str | None:
