@@ -30,6 +30,7 @@ HOST = '127.0.0.1'
 MODEL_NAME = 'pdfix-sim'
 STATE_ROUTE = '/distserve/pdfix/sim/state'
 _TERM_GRACE_S = 10.0
+_REGISTRATION_FAILED = b'Service registration failed'  # api_server's log line when its proxy did not answer
 # The cluster's HTTP ports come from below the kernel's ephemeral range (32768-60999) and ZeroMQ's random ports
 # (49152-65535), and above Mooncake's handshake ports (about 15000-17000): a port handed out while a node starts
 # cannot be taken meanwhile by an engine's RPC socket (seen: a Decode's engine bound the port another Decode
@@ -110,14 +111,17 @@ class Cluster:
         cfg = self.config
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         model.ensure_model_dir(cfg.model_dir)
+        # The nodes start beside the proxy: a node registers only once its engine is built, seconds after the
+        # proxy answers; one that still came too early is started again (``_register_late``).
         proxy = self._spawn('proxy', 'Proxy', self._proxy_args)
-        deadline = time.monotonic() + cfg.startup_timeout_s
-        wait_http_ok(f'{proxy.url}/nodes/status', deadline, proxy.pid)
         nodes = [self._spawn(f'prefill{i}', 'Prefill', self._node_args) for i in range(cfg.prefill)]
         nodes += [self._spawn(f'decode{i}', 'Decode', self._node_args) for i in range(cfg.decode)]
         nodes += [self._spawn(f'hybrid{i}', 'Hybrid', self._node_args) for i in range(cfg.hybrid)]
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        wait_http_ok(f'{proxy.url}/nodes/status', deadline, proxy.pid)
         for node in nodes:
             wait_http_ok(f'{node.url}/health', deadline, node.pid)
+        self._register_late(deadline)
         self._wait_registered(deadline)
         if cfg.warmup:
             http_json('POST', f'{proxy.url}/distserve/connection_warmup', {}, timeout=60, headers=self.credentials)
@@ -199,6 +203,13 @@ class Cluster:
             env[sim_settings.DROP_KV] = '1'
         return env
 
+    def _register_late(self, deadline: float) -> None:
+        """Restart each node whose registration reached the proxy before the proxy listened."""
+        for proc in list(self.processes):
+            if proc.role in ('Prefill', 'Decode') and _REGISTRATION_FAILED in Path(proc.log).read_bytes():
+                self.stop_node(proc.url)
+                self.restart_node(proc.url, timeout_s=max(deadline - time.monotonic(), 1.0))
+
     def _wait_registered(self, deadline: float) -> None:
         expected = {proc.url for proc in self.processes if proc.role in ('Prefill', 'Decode')}
         while True:
@@ -238,6 +249,18 @@ class Cluster:
         wait_http_ok(f'{proc.url}/health', deadline, proc.pid)
         self._wait_registered(deadline)
         return proc
+
+    def revive(self) -> Cluster:
+        """Every node up again: one a previous test stopped, or one that no longer answers ``/health``."""
+        for proc in list(self.processes):
+            if proc.role == 'Proxy':
+                continue
+            if not proc.stopped and _healthy(proc.url):
+                continue
+            if not proc.stopped:
+                self.stop_node(proc.url)
+            self.restart_node(proc.url)
+        return self
 
     def bounce(self, url: str, down_s: float = 1.0) -> Process:
         """Kill a node, leave it down ``down_s`` (requests meet it dead), start it again on the same URL."""
@@ -340,6 +363,13 @@ def _alive(pid: int) -> bool:
         done, _ = os.waitpid(pid, os.WNOHANG)
         return done == 0
     return True
+
+
+def _healthy(url: str) -> bool:
+    with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+        http_json('GET', f'{url}/health', timeout=10)
+        return True
+    return False
 
 
 def wait_http_ok(url: str, deadline: float, pid: int) -> None:

@@ -81,11 +81,19 @@ def _write_atomically(path: Path, payload: dict[str, Any]) -> None:
 
 
 def _publish_forever(engine: Any, path: Path) -> None:
+    published = None
     while True:
         # A dict changed size under us, or the dir vanished at shutdown: try again next period.
         with contextlib.suppress(RuntimeError, OSError):
-            _write_atomically(path, snapshot(engine))
+            state = snapshot(engine)
+            if _without_time(state) != published:  # an idle engine writes nothing (a cluster idles for minutes)
+                _write_atomically(path, state)
+                published = _without_time(state)
         time.sleep(PUBLISH_PERIOD_S)
+
+
+def _without_time(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if key != 'time'}
 
 
 def start_publisher(engine: Any) -> None:

@@ -1,11 +1,15 @@
 """Clusters for the end-to-end suite: real LMDeploy proxy and api_server processes, emulated model only.
 
-Clusters are session-scoped where the tests leave them usable; each is stopped (by process group) at the end
-of the session, also when a test fails. ``stock`` = LMDeploy as released, ``patched`` = LMDEPLOY_PDFIX=1.
+Modules share a cluster wherever they need the same one: the 1 Prefill + 1 Decode clusters of each mode and
+the cluster with an unfixed Prefill live for the whole session, and each test gets them with every node up
+(``Cluster.revive``). Every cluster is stopped by process group, also when a test fails; a cluster a test is
+done with stops in the background while the next test runs. ``stock`` = LMDeploy as released, ``patched`` =
+LMDEPLOY_PDFIX=1.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,14 +29,27 @@ def sim_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope='session')
-def start_cluster(sim_root: Path) -> Callable[..., Any]:
+def stopping() -> Iterator[list[threading.Thread]]:
+    """Clusters stopping in the background; the session ends once each has stopped."""
+    threads: list[threading.Thread] = []
+    yield threads
+    for thread in threads:
+        thread.join()
+
+
+@pytest.fixture(scope='session')
+def start_cluster(sim_root: Path, stopping: list[threading.Thread]) -> Callable[..., Any]:
     """``with start_cluster(name, **config): ...`` starts a cluster logging under the session's tmp dir."""
 
     @contextmanager
     def start(name: str, **config: Any) -> Iterator[Cluster]:
         cfg = ClusterConfig(log_dir=sim_root / name, model_dir=sim_root / 'model', **config)
-        with Cluster(cfg) as cluster:
+        cluster = Cluster(cfg).start()
+        try:
             yield cluster
+        finally:
+            stopping.append(threading.Thread(target=cluster.stop, name=f'stop {name}'))
+            stopping[-1].start()
 
     return start
 
@@ -43,13 +60,34 @@ def _session_cluster(start_cluster: Callable[..., Any], name: str, **config: Any
 
 
 @pytest.fixture(scope='session')
-def stock_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
+def stock_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
     yield from _session_cluster(start_cluster, 'stock-1p1d', stock=True)
 
 
 @pytest.fixture(scope='session')
-def patched_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
+def patched_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
     yield from _session_cluster(start_cluster, 'patched-1p1d', stock=False)
+
+
+@pytest.fixture(scope='session')
+def mixed_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
+    """A patched proxy and Decode with an unfixed (stock) Prefill node."""
+    yield from _session_cluster(start_cluster, 'unfixed-prefill', stock=False, stock_roles=('Prefill',))
+
+
+@pytest.fixture
+def stock_cluster(stock_session_cluster: Cluster) -> Cluster:
+    return stock_session_cluster.revive()
+
+
+@pytest.fixture
+def patched_cluster(patched_session_cluster: Cluster) -> Cluster:
+    return patched_session_cluster.revive()
+
+
+@pytest.fixture
+def mixed_cluster(mixed_session_cluster: Cluster) -> Cluster:
+    return mixed_session_cluster.revive()
 
 
 @pytest.fixture(params=MODES)
@@ -60,4 +98,3 @@ def mode(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def cluster(mode: str, request: pytest.FixtureRequest) -> Cluster:
     return request.getfixturevalue(f'{mode}_cluster')
-

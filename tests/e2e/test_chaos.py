@@ -10,11 +10,12 @@ restarted once. The regression tests behind it, which fail on stock, are the det
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from lmdeploy_pdfix_sim.cluster import Cluster
 from lmdeploy_pdfix_sim.soak import _parser as soak_parser
 from lmdeploy_pdfix_sim.soak import discover_nodes, run_chaos
 
@@ -24,15 +25,19 @@ REQUESTS = 600
 HEARTBEAT_S = 3  # the proxy checks its nodes often, so a removal and a return happen inside the run
 
 
+@pytest.fixture(scope='module')
+def chaos_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
+    with start_cluster('chaos', env={'LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION': str(HEARTBEAT_S)}) as cluster:
+        yield cluster
+
+
 @pytest.mark.parametrize('seed', [11, 12])
 def test_clients_leaving_under_load_get_no_wrong_answer_and_leave_nothing_behind(
-        start_cluster: Callable[..., Any], seed: int) -> None:
-    args = soak_parser().parse_args(['--proxy', '-', '--chaos', '--requests', str(REQUESTS), '--concurrency', '8',
-                                     '--seed', str(seed), '--decode-restarts', '1'])
-    env = {'LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION': str(HEARTBEAT_S)}
-    with start_cluster(f'chaos-{seed}', env=env) as cluster:
-        args.proxy = cluster.proxy_url
-        summary = run_chaos(args, discover_nodes(cluster.proxy_url), lambda: cluster.bounce(cluster.decode_urls[0]))
+        chaos_cluster: Cluster, seed: int) -> None:
+    cluster = chaos_cluster.revive()
+    args = soak_parser().parse_args(['--proxy', cluster.proxy_url, '--chaos', '--requests', str(REQUESTS),
+                                     '--concurrency', '8', '--seed', str(seed), '--decode-restarts', '1'])
+    summary = run_chaos(args, discover_nodes(cluster.proxy_url), lambda: cluster.bounce(cluster.decode_urls[0]))
     print(json.dumps(summary, indent=1))  # whole, where a failing assert would shorten it
 
     assert summary['wrong_text_200'] == 0, summary

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,6 @@ import pytest
 from lmdeploy_pdfix.domain.protocol import FIX_HINT
 from lmdeploy_pdfix_sim import client
 from lmdeploy_pdfix_sim.cluster import MODEL_NAME, Cluster, prefill_forwards
-from tests.e2e.conftest import MODES
 
 pytestmark = pytest.mark.e2e
 
@@ -35,35 +34,6 @@ AUDIT_PATH = '/distserve/pdfix/audit'
 GC_PATH = '/distserve/gc'
 KINDS = ('completions', 'chat', 'stream')
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-# ---------------------------------------------------------------------------------------------- clusters
-
-
-@pytest.fixture(scope='module', params=MODES)
-def mode(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope='module')
-def shared_cluster(mode: str, start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
-    """One 1 Prefill + 1 Decode cluster per mode for this module (stopped by process group at its end)."""
-    with start_cluster(f'failures-{mode}', stock=mode == 'stock') as started:
-        yield started
-
-
-@pytest.fixture
-def cluster(shared_cluster: Cluster) -> Cluster:
-    """The module's cluster with every node up: a node a previous test stopped or broke is restarted."""
-    for proc in list(shared_cluster.processes):
-        if proc.role == 'Proxy':
-            continue
-        if not proc.stopped and get(f'{proc.url}/health').status == 200:
-            continue
-        if not proc.stopped:
-            shared_cluster.stop_node(proc.url)
-        shared_cluster.restart_node(proc.url)
-    return shared_cluster
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -305,13 +275,12 @@ def test_client_giving_up_before_the_answer_leaves_nothing(cluster: Cluster, mod
 # ---------------------------------------------------------------------------------------------- unfixed Prefill
 
 
-def test_fixed_proxy_refuses_an_unfixed_prefill_before_any_work(start_cluster: Callable[..., Any]) -> None:
-    with start_cluster('failures-unfixed-prefill', stock=False, stock_roles=('Prefill',)) as mixed:
-        prefill = mixed.prefill_urls[0]
-        before = mixed.settled_state(prefill)
-        answers = {kind: ask(mixed, kind, 'refused') for kind in KINDS}
-        after = mixed.settled_state(prefill)
-        books = audit(mixed)
+def test_fixed_proxy_refuses_an_unfixed_prefill_before_any_work(mixed_cluster: Cluster) -> None:
+    prefill = mixed_cluster.prefill_urls[0]
+    before = mixed_cluster.settled_state(prefill)
+    answers = {kind: ask(mixed_cluster, kind, 'refused') for kind in KINDS}
+    after = mixed_cluster.settled_state(prefill)
+    books = audit(mixed_cluster)
     for kind, answer in answers.items():
         assert answer.status == 503 and answer.body['object'] == 'error', (kind, answer)
         assert prefill in answer.message and FIX_HINT in answer.message, (kind, answer)
@@ -322,8 +291,7 @@ def test_fixed_proxy_refuses_an_unfixed_prefill_before_any_work(start_cluster: C
 
 
 # ---------------------------------------------------------------------------------------------- Decode down
-# Last for each cluster: the stock run leaves its Decode node stopped (the ``cluster`` fixture restarts it
-# should any test follow).
+# The stock run leaves its Decode node stopped: the next test's ``cluster`` fixture restarts it.
 
 
 def test_decode_down_releases_the_prefill_cache_and_recovers(cluster: Cluster, mode: str) -> None:

@@ -14,7 +14,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,13 +150,6 @@ def test_doctor_names_a_stock_cluster_whose_prefill_leaks(stock_cluster: Cluster
     assert 'proxy' in problems and 'runs without lmdeploy-pdfix' in problems
     assert f'Prefill {stock_cluster.prefill_urls[0]} runs without lmdeploy-pdfix (a Prefill without it leaks' \
         in problems
-
-
-@pytest.fixture(scope='module')
-def mixed_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
-    """A patched proxy and Decode with an unfixed (stock) Prefill node."""
-    with start_cluster('operator-unfixed-prefill', stock=False, stock_roles=('Prefill',)) as mixed:
-        yield mixed
 
 
 def test_doctor_names_an_unfixed_node_then_a_node_down(mixed_cluster: Cluster) -> None:
