@@ -125,10 +125,20 @@ MAX_CHOICES = Number(
     whole=True, help='most choices (n) one DistServe chat request may ask for (400 above it; a Hybrid node allows '
                      '128); the choices are relayed at once, as a Hybrid node generates them, each holding a '
                      'Prefill cache until its Decode takes it')
+ADMISSION_WAIT_S = Number(
+    'LMDEPLOY_PDFIX_ADMISSION_WAIT_S', 30.0, minimum=0.0, maximum=3600.0, node='proxy', patches=('proxy_distserve',),
+    help='how long a DistServe request waits for a Prefill or Decode node when every node of that role is down or '
+         'has just failed (a node that fails a request is skipped, and tried again after 1 s, 2 s, 4 s ... 30 s); '
+         'then 503 with `Retry-After`')
+RELAY_ATTEMPTS = Number(
+    'LMDEPLOY_PDFIX_RELAY_ATTEMPTS', 4, minimum=1, maximum=32, node='proxy', patches=('proxy_distserve',),
+    whole=True, help='most calls one DistServe request makes to nodes of one role: a Prefill or Decode node that '
+                     'refuses the connection or drops it before answering is replaced by another (a Decode only '
+                     'before the client has a byte; a stream that started is never replayed)')
 
 NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
                                MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, LOOP_STALL_S, HEALTH_POLL_S, MAX_PROMPTS,
-                               MAX_CHOICES, MAX_LINK_WAITERS, KEEPALIVE_S)
+                               MAX_CHOICES, MAX_LINK_WAITERS, KEEPALIVE_S, ADMISSION_WAIT_S, RELAY_ATTEMPTS)
 
 # covers the hop from a Decode's claim to its engine, which counts the lease from the request's arrival
 _CLAIM_HOP_MARGIN_S = 30.0

@@ -83,3 +83,12 @@ def distserve(stand_in_cluster: Cluster, apply_patch: Callable[[str], ModuleType
     yield stand_in_cluster
     nodes.nodes.clear()
     nodes.serving_strategy = strategy
+
+
+@pytest.fixture
+def admission_wait_s(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
+    """A short LMDEPLOY_PDFIX_ADMISSION_WAIT_S for this test (the relay reads it once, at import)."""
+    wait_s = 1.0
+    relay = importlib.import_module('lmdeploy_pdfix.units.proxy_distserve.relay')
+    monkeypatch.setattr(relay, 'ADMISSION_WAIT_S', wait_s)
+    yield wait_s

@@ -159,11 +159,11 @@ async def test_a_relayed_refusal_does_not_reveal_the_internal_owner_id(distserve
 
 
 @pytest.mark.regression
-async def test_no_decode_node_is_a_503_before_any_prefill_work(distserve: Cluster) -> None:
+async def test_no_decode_node_is_a_503_before_any_prefill_work(distserve: Cluster, admission_wait_s: float) -> None:
     distserve.proxy.node_manager.remove(distserve.d_url)
     response = await distserve.post('/v1/completions', COMPLETION)
     assert response.status_code == 503
-    assert 'Decode' in response.json()['message']
+    assert 'No Decode node serves model' in response.json()['message']
     assert distserve.prefill.requests == []
 
 

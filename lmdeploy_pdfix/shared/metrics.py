@@ -17,8 +17,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lmdeploy_pdfix.domain import ledger, preserved
+from lmdeploy_pdfix.domain import breakers, ledger, preserved
 from lmdeploy_pdfix.domain.protocol import CLIENT_CLOSED_REQUEST
+from lmdeploy_pdfix.shared.proxy_books import RelayObserver
 
 PREFIX = 'lmdeploy_pdfix'
 PHASES = ('probe', 'prefill', 'link', 'decode_first_byte', 'total')
@@ -26,6 +27,8 @@ PHASES = ('probe', 'prefill', 'link', 'decode_first_byte', 'total')
 # the reasons known up front (others appear as they happen): a refusal's HTTP phrase, a failure's kind
 REFUSAL_REASONS = [HTTPStatus(status).phrase for status in (400, 404, 409, 410, 502)]
 MIGRATION_FAILURE_REASONS = ['timeout', 'cancelled', 'aborted', 'claim_expired']
+ROLES = ('Prefill', 'Decode')
+RETRY_CAUSES = ('unreachable', 'disconnected', 'gone')
 PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -38,8 +41,8 @@ def outcome_of(status: int) -> str:
     return 'rejected' if status < HTTPStatus.INTERNAL_SERVER_ERROR else 'failed'
 
 
-class ProxyMetrics:
-    """What the relay observes of each request: a :class:`~lmdeploy_pdfix.shared.proxy_books.RelayObserver`."""
+class ProxyMetrics(RelayObserver):
+    """What the relay observes of each request."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._requests = Counter(f'{PREFIX}_proxy_requests', 'DistServe requests relayed, by route and outcome',
@@ -48,6 +51,16 @@ class ProxyMetrics:
                                  ['phase'], buckets=PHASE_BUCKETS_S, registry=registry)
         for phase in PHASES:
             self._phases.labels(phase)
+        self._retries = Counter(f'{PREFIX}_proxy_retries', 'Calls to a node that could not take them, sent to '
+                                'another node or waited on, by role and cause', ['role', 'cause'], registry=registry)
+        self._admission = Histogram(f'{PREFIX}_proxy_admission_wait_seconds', 'Time a DistServe request waited '
+                                    'for a node of a role, by outcome (admitted, refused: 503 with Retry-After)',
+                                    ['role', 'outcome'], buckets=PHASE_BUCKETS_S, registry=registry)
+        for role in ROLES:
+            for cause in RETRY_CAUSES:
+                self._retries.labels(role, cause)
+            for outcome in ('admitted', 'refused'):
+                self._admission.labels(role, outcome)
 
     def phase(self, name: str, seconds: float) -> None:
         self._phases.labels(name).observe(seconds)
@@ -55,6 +68,28 @@ class ProxyMetrics:
     def finished(self, route: str, status: int, seconds: float) -> None:
         self._requests.labels(route, outcome_of(status)).inc()
         self.phase('total', seconds)
+
+    def retried(self, role: str, cause: str) -> None:
+        self._retries.labels(role, cause).inc()
+
+    def admission_waited(self, role: str, seconds: float, admitted: bool) -> None:
+        self._admission.labels(role, 'admitted' if admitted else 'refused').observe(seconds)
+
+
+class BreakerCollector(Collector):
+    """How many nodes the proxy keeps out of rotation now, by breaker state, read from its breakers at each
+    scrape."""
+
+    def __init__(self, current_breakers: Callable[[], breakers.NodeBreakers], clock: Callable[[], float]) -> None:
+        self._breakers = current_breakers
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        states = [state.value for state in self._breakers().snapshot(self._clock()).values()]
+        yield _gauge_by('proxy_node_breakers', 'Nodes whose breaker is not closed (open: skipped after a failure; '
+                        'half_open: the next request tries them), by state', 'state',
+                        {state: states.count(state) for state in states},
+                        [breakers.BreakerState.OPEN.value, breakers.BreakerState.HALF_OPEN.value])
 
 
 class LedgerCollector(Collector):

@@ -1,11 +1,12 @@
 """What the proxy's units share in the proxy process, so that none imports another: the ledger of retained caches
-(``proxy_distserve`` keeps it), the relay's observer (``proxy_metrics`` puts in one that counts) and the nodes the
-heartbeat removed (``proxy_heartbeat`` keeps them)."""
+and the nodes' breakers (``proxy_distserve`` keeps them), the relay's observer (``proxy_metrics`` puts in one that
+counts) and the nodes the heartbeat removed (``proxy_heartbeat`` keeps them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from lmdeploy_pdfix.domain.breakers import NodeBreakers
 from lmdeploy_pdfix.domain.ledger import OwnerLedger
 
 
@@ -19,10 +20,18 @@ class RelayObserver:
         """A request to ``route`` ended with the ``status`` its client got (499: the client left) after
         ``seconds`` in all."""
 
+    def retried(self, role: str, cause: str) -> None:
+        """A call to a ``role`` node failed for ``cause`` (unreachable, disconnected, gone) and went to another
+        node, or waited for one."""
+
+    def admission_waited(self, role: str, seconds: float, admitted: bool) -> None:
+        """A request waited ``seconds`` for a ``role`` node; ``admitted``: one took it, else it was refused."""
+
 
 class ProxyBooks:
     def __init__(self) -> None:
         self.ledger = OwnerLedger()
+        self.breakers = NodeBreakers()
         self.observer = RelayObserver()
         self.removed_nodes: Any = None  # proxy_heartbeat's, while it is applied: has ``snapshot()``
 

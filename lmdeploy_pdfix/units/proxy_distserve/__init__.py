@@ -62,7 +62,7 @@ def _relaying_distserve(proxy: ModuleType, path: str):
             started, observer = time.perf_counter(), PROXY.observer
             credentials = forwarded_credentials(getattr(raw_request, 'headers', None))
             answer = await until_client_leaves(
-                raw_request, relay_distserve(proxy, path, PROXY.ledger, request, credentials, observer))
+                raw_request, relay_distserve(proxy, path, PROXY.ledger, PROXY.breakers, request, credentials, observer))
             return observed(answer, observer, path, started)
 
         return endpoint

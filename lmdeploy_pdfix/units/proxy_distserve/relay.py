@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.batching import merge_completions, split_prompts
+from lmdeploy_pdfix.domain.breakers import BreakerState, NodeBreakers, least_loaded
 from lmdeploy_pdfix.domain.kv_layout import HOW_TO_PAIR, layout_differences
 from lmdeploy_pdfix.domain.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.domain.protocol import (
@@ -64,6 +66,12 @@ PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
 PROBE_TTL_S = {True: 60.0, False: 5.0}
+ADMISSION_WAIT_S = settings.ADMISSION_WAIT_S.value()
+RELAY_ATTEMPTS = int(settings.RELAY_ATTEMPTS.value())
+ADMISSION_POLL_S = 0.1  # how often a waiting request looks for a node again (a breaker's back-off is 1 s or more)
+# A call that fails so is safe to send to another node: the node took no work (refused, or reset the connection),
+# or it died, and its caches with it; a Decode that had claimed the cache makes the next Decode's claim fail.
+UNREACHABLE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 async def to_the_end(work: Awaitable[T]) -> T:
@@ -99,6 +107,21 @@ class NodeGoneError(aiohttp.ClientConnectionError):
 
 
 @dataclass
+class _Unreachable:
+    """A node could not take the call (D29): the request goes to another node of the role, or waits for one."""
+
+    url: str
+    error: Exception | str
+
+    @property
+    def cause(self) -> str:
+        """What the retry is counted under: gone (left the node list), disconnected, or unreachable."""
+        if isinstance(self.error, NodeGoneError):
+            return 'gone'
+        return 'disconnected' if isinstance(self.error, aiohttp.ServerDisconnectedError) else 'unreachable'
+
+
+@dataclass
 class _Relay:
     """One DistServe request on its way through a Prefill node and a Decode node."""
 
@@ -107,6 +130,8 @@ class _Relay:
     ledger: OwnerLedger
     credentials: dict[str, str]  # headers of the calls made for the client (see forwarded_credentials)
     observer: RelayObserver
+    breakers: NodeBreakers
+    deadline: float = 0.0  # until when the request may wait for a node (time.monotonic)
     p_url: str = ''
     d_url: str = ''
     record: OwnerRecord | None = None
@@ -152,10 +177,16 @@ class _Relay:
         try:
             async with await node_post(url + self.path, json=payload, headers=self.credentials,
                                        timeout=self.nodes.aiotimeout) as response:
+                self.breakers.answered(url)
                 not_pooled_after_an_error(response)
                 return response.status, await response.text()
         finally:
             self.nodes.post_call(url, start)
+
+    def load(self, url: str) -> int:
+        """What ``url`` carries now: the calls the proxy has in flight to it."""
+        status = self.nodes.nodes.get(url)
+        return getattr(status, 'unfinished', 0) if status is not None else 0
 
     def hold(self, owner: int) -> None:
         """Open the books on the cache the Prefill node retained for this request."""
@@ -192,15 +223,16 @@ class _CapabilityProbe:
 
     async def names_owners(self, url: str) -> bool | None:
         """True or False as the node says; None when it cannot be asked (not remembered)."""
-        said = await self._said(url)
+        said = await self.said(url)
         return None if said is None else said.get('cache_owner') is True
 
     async def kv_layout(self, url: str) -> Any:
         """The node's KV layout as it describes it; None when it does not, or cannot be asked."""
-        said = await self._said(url)
+        said = await self.said(url)
         return None if said is None else said.get('kv_layout')
 
-    async def _said(self, url: str) -> dict[str, Any] | None:
+    async def said(self, url: str) -> dict[str, Any] | None:
+        """What ``url`` says of itself (``{}``: nothing, a stock node); None when it cannot be asked."""
         known = self._known.get(url)
         if known is not None and time.monotonic() < known[1]:
             return known[0]
@@ -231,19 +263,27 @@ async def _refuse_unproven(relay: _Relay) -> JSONResponse | None:
     return None
 
 
-async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | None:
+async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | _Unreachable | None:
     try:
         capable = await _probe.names_owners(relay.p_url)
     except NodeCredentialsRefusedError as exc:
         return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} refused the credentials of '
                                                    f'the proxy ({exc}). {CREDENTIALS_HINT}')
     if capable is None:
-        return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable.')
+        return _Unreachable(relay.p_url, 'its capability route did not answer')
     if not capable:
         return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
                            f'The Prefill node {relay.p_url} does not name the owner of the caches it keeps, so '
                            f'DistServe requests through this proxy would leak its sessions. {FIX_HINT}')
     return None
+
+
+async def _refuse_unreachable_decode(relay: _Relay) -> _Unreachable | None:
+    try:
+        said = await _probe.said(relay.d_url)
+    except NodeCredentialsRefusedError:  # the Decode's own call will say so, with the client's credentials
+        return None
+    return _Unreachable(relay.d_url, 'its capability route did not answer') if said is None else None
 
 
 async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
@@ -260,11 +300,36 @@ async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
                        f'({"; ".join(differences)}): {HOW_TO_PAIR}.')
 
 
-def _node_url(nodes, model: str, role) -> str | None:
-    try:
-        return nodes.get_node_url(model, role)
-    except Exception:  # LMDeploy raises TypeError instead of returning None when no node matches
-        return None
+async def _choose(relay: _Relay, model: str, role: Any, tried: set[str]) -> str | JSONResponse:
+    """A node of ``role`` for this request (D29): the least loaded whose breaker admits it, one this request has
+    not tried first; while there is none, the request waits until its deadline, then gets 503 with Retry-After."""
+    began = time.monotonic()
+    while True:
+        now = time.monotonic()
+        serving = [url for url, status in relay.nodes.get_nodes(role).items() if model in status.models]
+        admitted = [url for url in serving if relay.breakers.state(url, now) is not BreakerState.OPEN]
+        admitted = [url for url in admitted if url not in tried] or admitted
+        if admitted:
+            url = least_loaded(admitted, relay.load)
+            relay.breakers.admit(url, now)
+            if now > began:
+                relay.observer.admission_waited(role.name, now - began, True)
+            return url
+        if now >= relay.deadline:
+            if now > began:
+                relay.observer.admission_waited(role.name, now - began, False)
+            return _no_node(relay, model, role.name, serving, now)
+        await asyncio.sleep(min(ADMISSION_POLL_S, relay.deadline - now))
+
+
+def _no_node(relay: _Relay, model: str, role: str, serving: list[str], now: float) -> JSONResponse:
+    if not serving:
+        answer = relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {role} node serves model {model!r}.')
+    else:
+        answer = relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
+                             f'Every {role} node serving model {model!r} failed just now; try again shortly.')
+    answer.headers['Retry-After'] = str(max(1, math.ceil(relay.breakers.retry_after_s(serving, now))))
+    return answer
 
 
 def _prefill_request(request_dict: dict[str, Any]) -> dict[str, Any]:
@@ -355,7 +420,8 @@ class _FinishedAtPrefill:
         return StreamingResponse(iter(events), media_type='text/event-stream')
 
 
-async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer | _FinishedAtPrefill | JSONResponse:
+async def _prefill(relay: _Relay, request_dict: dict[str, Any]
+                   ) -> PrefillAnswer | _FinishedAtPrefill | _Unreachable | JSONResponse:
     call = asyncio.ensure_future(relay.post(relay.p_url, _prefill_request(request_dict)))
     try:
         status, text = await asyncio.shield(call)
@@ -366,6 +432,8 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]) -> PrefillAnswer
         raise
     except asyncio.TimeoutError:
         return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
+    except (*UNREACHABLE, NodeGoneError) as exc:
+        return _Unreachable(relay.p_url, exc)
     except aiohttp.ClientError as exc:
         return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable: {exc}')
     if status != HTTPStatus.OK:
@@ -436,12 +504,14 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
     return {**request_dict, 'migration_request': migration_request}
 
 
-async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse:
+async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse | _Unreachable:
     try:
         relay.decode_started()
         status, text = await relay.post(relay.d_url, decode_request)
         relay.decode_answered()
         body = parse_json(text) if status == HTTPStatus.OK else None
+    except (*UNREACHABLE, NodeGoneError) as exc:
+        return _Unreachable(relay.d_url, exc)  # the client has no byte yet: another Decode may take the cache
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         await relay.release('Decode failed')
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
@@ -511,27 +581,32 @@ class _DecodeStream(StreamingResponse):
         await self._settle(self._migrated)
 
 
-async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> StreamingResponse | JSONResponse:
+async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]
+                         ) -> StreamingResponse | JSONResponse | _Unreachable:
+    d_url = relay.d_url
     try:
-        start = relay.begin_call(relay.d_url)
+        start = relay.begin_call(d_url)
     except NodeGoneError as exc:
-        await relay.release('Decode gone')
-        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+        return _Unreachable(d_url, exc)
     relay.decode_started()
 
     async def settle(migrated: bool) -> None:
-        relay.nodes.post_call(relay.d_url, start)
+        relay.nodes.post_call(d_url, start)
         if migrated:
             relay.migrated()
         else:
             await relay.release('Decode stream ended before any token')
 
     try:
-        response = await node_post(relay.d_url + relay.path, json=decode_request, headers=relay.credentials,
+        response = await node_post(d_url + relay.path, json=decode_request, headers=relay.credentials,
                                    timeout=relay.nodes.aiotimeout)
+    except UNREACHABLE as exc:
+        relay.nodes.post_call(d_url, start)
+        return _Unreachable(d_url, exc)  # no stream has started: another Decode may take the cache
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         await settle(False)
-        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {relay.d_url} failed: {exc!r}')
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {d_url} failed: {exc!r}')
+    relay.breakers.answered(d_url)
     not_pooled_after_an_error(response)
     stream = _DecodeStream(relay, response, settle)
     if response.status != HTTPStatus.OK:
@@ -541,7 +616,7 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]) -> Strea
     return stream
 
 
-async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, request,
+async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, breakers: NodeBreakers, request,
                           credentials: dict[str, str], observer: RelayObserver) -> Any:
     """Serve one DistServe chat or completions request: Prefill, migrate by owner, Decode."""
     request_dict = request.model_dump()
@@ -550,7 +625,8 @@ async def relay_distserve(proxy: ModuleType, path: str, ledger: OwnerLedger, req
         return proxy.create_error_response(HTTPStatus.BAD_REQUEST, problem)
 
     def new_relay() -> _Relay:
-        return _Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials, observer=observer)
+        return _Relay(proxy=proxy, path=path, ledger=ledger, credentials=credentials, observer=observer,
+                      breakers=breakers, deadline=time.monotonic() + ADMISSION_WAIT_S)
 
     if path == CHAT_PATH and _choices(request_dict) > 1:
         return await _relay_choices(new_relay, request, request_dict)
@@ -657,30 +733,83 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
 
 
 async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
-    proxy, model = relay.proxy, request_dict['model']
-    relay.p_url = _node_url(relay.nodes, model, proxy.EngineRole.Prefill) or ''
-    relay.d_url = _node_url(relay.nodes, model, proxy.EngineRole.Decode) or ''
-    if not relay.p_url or not relay.d_url:
-        missing = 'Prefill' if not relay.p_url else 'Decode'
-        return relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {missing} node serves model {model!r}.')
-    with relay.phase('probe'):
-        refused = (await _refuse_unproven(relay) or await _refuse_unfixed_prefill(relay)
-                   or await _refuse_incompatible_pair(relay))
-    if refused is not None:
-        return refused
-    with relay.phase('prefill'):
-        answer = await _prefill(relay, request_dict)
-    if isinstance(answer, JSONResponse):
-        return answer
-    if isinstance(answer, _FinishedAtPrefill):
-        return answer.response(relay.path, bool(request_dict.get('stream')))
-    with relay.phase('link'):
-        unlinked = await _connect(relay)
-    if unlinked is not None:
-        await relay.release('connection failed')
-        return relay.error(*unlinked)
-    relay.record.state = RecordState.MIGRATING
-    decode_request = _decode_request(relay, request_dict, answer)
-    if request_dict.get('stream'):
-        return await _decode_stream(relay, decode_request)
-    return await _decode(relay, decode_request)
+    """Prefill on one node, then Decode on another; a node that cannot take its call is replaced (D29)."""
+    model, roles, tried = request_dict['model'], relay.proxy.EngineRole, set()
+    unreachable: _Unreachable | None = None
+    for _ in range(RELAY_ATTEMPTS):
+        for role in (roles.Prefill, roles.Decode):
+            chosen = await _choose(relay, model, role, tried)
+            if isinstance(chosen, JSONResponse):
+                return chosen
+            relay.p_url, relay.d_url = (chosen, relay.d_url) if role == roles.Prefill else (relay.p_url, chosen)
+        with relay.phase('probe'):
+            refused = (await _refuse_unproven(relay) or await _refuse_unfixed_prefill(relay)
+                       or await _refuse_unreachable_decode(relay) or await _refuse_incompatible_pair(relay))
+        if isinstance(refused, _Unreachable):
+            unreachable = _failed(relay, refused, tried)
+            continue
+        if refused is not None:
+            return refused
+        with relay.phase('prefill'):
+            answer = await _prefill(relay, request_dict)
+        if isinstance(answer, _Unreachable):
+            unreachable = _failed(relay, answer, tried)
+            continue
+        if isinstance(answer, JSONResponse):
+            return answer
+        if isinstance(answer, _FinishedAtPrefill):
+            return answer.response(relay.path, bool(request_dict.get('stream')))
+        return await _migrate(relay, request_dict, answer, tried)
+    return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {unreachable.url} is unreachable: '
+                                              f'{unreachable.error}')
+
+
+def _failed(relay: _Relay, unreachable: _Unreachable, tried: set[str]) -> _Unreachable:
+    """Count ``unreachable``'s node as tried by this request, and open its breaker unless it merely left."""
+    tried.add(unreachable.url)
+    if unreachable.cause != 'gone':
+        relay.breakers.failed(unreachable.url, time.monotonic())
+    relay.observer.retried('Prefill' if unreachable.url == relay.p_url else 'Decode', unreachable.cause)
+    return unreachable
+
+
+async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer,
+                   tried: set[str]) -> JSONResponse | StreamingResponse:
+    """Decode from the cache the Prefill retained; a Decode that cannot take the call before the client has a
+    byte is replaced by another, with the same cache (its claim and ticket make the migration happen once)."""
+    failure: JSONResponse | _Unreachable | None = None
+    for attempt in range(RELAY_ATTEMPTS):
+        if attempt:
+            failure = await _another_decode(relay, request_dict['model'], tried)
+            if isinstance(failure, JSONResponse):
+                break
+            if failure is not None:
+                _failed(relay, failure, tried)
+                continue
+        with relay.phase('link'):
+            unlinked = await _connect(relay)
+        if unlinked is not None:  # either node may be at fault: another Decode is tried, no breaker opens
+            failure = relay.error(*unlinked)
+            tried.add(relay.d_url)
+            continue
+        relay.record.d_url, relay.record.state = relay.d_url, RecordState.MIGRATING
+        decode_request = _decode_request(relay, request_dict, answer)
+        failure = await (_decode_stream if request_dict.get('stream') else _decode)(relay, decode_request)
+        if not isinstance(failure, _Unreachable):
+            return failure
+        _failed(relay, failure, tried)
+        relay.record.state = RecordState.PREFILLED
+    await relay.release('no Decode node took the cache')
+    if isinstance(failure, _Unreachable):
+        return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {failure.url} failed: {failure.error!r}')
+    return failure
+
+
+async def _another_decode(relay: _Relay, model: str, tried: set[str]) -> JSONResponse | _Unreachable | None:
+    """Choose the next Decode for this request's cache: None once one is chosen that may take it."""
+    chosen = await _choose(relay, model, relay.proxy.EngineRole.Decode, tried)
+    if isinstance(chosen, JSONResponse):
+        return chosen
+    relay.d_url = chosen
+    return (await _refuse_unproven(relay) or await _refuse_unreachable_decode(relay)
+            or await _refuse_incompatible_pair(relay))

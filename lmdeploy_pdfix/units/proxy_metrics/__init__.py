@@ -1,8 +1,9 @@
 """The proxy serves Prometheus metrics of its DistServe relay at ``/metrics``; LMDeploy's proxy serves none.
 
 Requests by route and outcome, the time each phase took, the retained Prefill caches open by state and the
-oldest one's age, releases by cause, failed releases and rejected owners (:mod:`lmdeploy_pdfix.shared.metrics`),
-beside the process's own CPU, memory and garbage-collector series.
+oldest one's age, releases by cause, failed releases and rejected owners, calls sent to another node by cause,
+the wait for a node and the nodes out of rotation (:mod:`lmdeploy_pdfix.shared.metrics`), beside the process's
+own CPU, memory and garbage-collector series.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ class ProxyMetricsPatch(Patch):
             process_collector,
         )
 
-        from lmdeploy_pdfix.shared.metrics import LedgerCollector, ProxyMetrics
+        from lmdeploy_pdfix.shared.metrics import BreakerCollector, LedgerCollector, ProxyMetrics
 
         registry = CollectorRegistry()  # its own: a process may apply and revert this unit more than once
         for collector in (process_collector.ProcessCollector, gc_collector.GCCollector,
                           platform_collector.PlatformCollector):
             collector(registry=registry)
         registry.register(LedgerCollector(lambda: PROXY.ledger, time.monotonic))
+        registry.register(BreakerCollector(lambda: PROXY.breakers, time.monotonic))
         PROXY.observer = ProxyMetrics(registry)
 
         async def metrics() -> Response:

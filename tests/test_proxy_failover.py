@@ -1,0 +1,175 @@
+"""A lost node costs a DistServe client nothing a retry can save (issue 30, D29).
+
+The real proxy app, patched, over real HTTP to stand-in nodes (the ``distserve`` fixture of ``conftest.py``),
+beside a registered node whose port nobody listens on: a node that died, or has not come back yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import httpx
+import pytest
+
+from lmdeploy_pdfix.domain.breakers import NodeBreakers
+from lmdeploy_pdfix.shared.proxy_books import PROXY
+from tests.stand_in_nodes import MODEL, Cluster, audit, decoded_text
+from tests.test_proxy_metrics import scrape
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.regression]
+
+COMPLETION = {'model': MODEL, 'prompt': 'hello', 'max_tokens': 8}
+CHAT = {'model': MODEL, 'messages': [{'role': 'user', 'content': 'hello'}], 'max_tokens': 8}
+
+
+@pytest.fixture(autouse=True)
+def fresh_breakers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(PROXY, 'breakers', NodeBreakers())
+    yield
+
+
+def dead_node_url() -> str:
+    """The URL of a port nothing listens on: connections to it are refused, as to a node that died."""
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return f'http://127.0.0.1:{sock.getsockname()[1]}'
+
+
+@contextlib.contextmanager
+def dropping_node() -> Iterator[tuple[str, list[float]]]:
+    """A node that accepts each connection and closes it unanswered (a process dying under its calls); yields its
+    URL and the times it accepted one."""
+    accepted: list[float] = []
+    listener = socket.create_server(('127.0.0.1', 0))
+    listener.settimeout(0.1)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                connection, _ = listener.accept()
+                accepted.append(time.monotonic())
+                connection.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f'http://127.0.0.1:{listener.getsockname()[1]}', accepted
+    finally:
+        done.set()
+        thread.join()
+        listener.close()
+
+
+def register(cluster: Cluster, url: str, role: str) -> None:
+    proxy = cluster.proxy
+    proxy.node_manager.add(url, proxy.Status(role=getattr(proxy.EngineRole, role), models=[MODEL]))
+
+
+async def answers(cluster: Cluster, count: int, body: dict) -> list[httpx.Response]:
+    path = '/v1/chat/completions' if 'messages' in body else '/v1/completions'
+    return [await cluster.post(path, body) for _ in range(count)]
+
+
+def texts(responses: list[httpx.Response]) -> list[str]:
+    """Each answer's text, or its status and the start of its body when it is not a 200 with a choice."""
+    out = []
+    for response in responses:
+        try:
+            choice = response.json()['choices'][0]
+            out.append(choice.get('text') or choice['message']['content'])
+        except (ValueError, KeyError, IndexError, TypeError):
+            out.append(f'{response.status_code}: {response.text[:120]}')
+    return out
+
+
+@pytest.mark.parametrize('role', ['Prefill', 'Decode'])
+@pytest.mark.parametrize('body', [COMPLETION, CHAT], ids=['completions', 'chat'])
+async def test_a_dead_node_beside_a_live_one_fails_no_request(distserve: Cluster, role: str, body: dict) -> None:
+    register(distserve, dead_node_url(), role)
+
+    responses = await answers(distserve, 12, body)
+
+    assert [response.status_code for response in responses] == [200] * 12, texts(responses)
+    assert all(text.startswith(decoded_text('')[:12]) for text in texts(responses)), texts(responses)
+    assert distserve.prefill.retained == set()
+    assert (await audit(distserve))['open'] == 0
+
+
+async def test_a_stream_whose_decode_is_dead_is_served_by_another_decode(distserve: Cluster) -> None:
+    register(distserve, dead_node_url(), 'Decode')
+    streamed = []
+    body = {**COMPLETION, 'stream': True}
+    for _ in range(8):
+        async with httpx.AsyncClient(timeout=30) as client, \
+                client.stream('POST', distserve.url + '/v1/completions', json=body) as response:
+            streamed.append((response.status_code, [line async for line in response.aiter_lines() if line]))
+    assert [status for status, _ in streamed] == [200] * 8
+    assert all(lines[-1] == 'data: [DONE]' and 'error' not in ''.join(lines) for _, lines in streamed), streamed
+    assert distserve.prefill.retained == set()
+
+
+async def test_a_node_that_drops_connections_is_skipped_once_a_request_found_it_so(distserve: Cluster) -> None:
+    with dropping_node() as (url, accepted):
+        register(distserve, url, 'Decode')
+        first = await answers(distserve, 12, COMPLETION)  # one or more of them met it
+        met = len(accepted)
+        later = await answers(distserve, 6, COMPLETION)
+
+    assert [response.status_code for response in first + later] == [200] * 18, texts(first + later)
+    assert met >= 1
+    assert len(accepted) == met  # no later request was sent to it within its back-off
+
+
+async def test_with_every_decode_down_a_request_waits_then_gets_503_with_retry_after_and_frees_its_cache(
+        distserve: Cluster, admission_wait_s: float) -> None:
+    distserve.proxy.node_manager.remove(distserve.d_url)
+    register(distserve, dead_node_url(), 'Decode')
+
+    started = asyncio.get_running_loop().time()
+    response = await distserve.post('/v1/completions', COMPLETION)
+    waited = asyncio.get_running_loop().time() - started
+
+    assert response.status_code == 503, response.text
+    assert int(response.headers['Retry-After']) >= 1
+    assert 'Decode' in response.json()['message']
+    assert waited >= admission_wait_s * 0.9
+    assert distserve.prefill.retained == set()
+    assert (await audit(distserve))['open'] == 0
+
+
+async def test_a_request_that_waits_for_a_decode_is_served_once_one_registers(
+        distserve: Cluster, admission_wait_s: float) -> None:
+    distserve.proxy.node_manager.remove(distserve.d_url)
+
+    async def comes_back() -> None:
+        await asyncio.sleep(admission_wait_s / 3)
+        distserve.register('Decode')
+
+    response, _ = await asyncio.gather(distserve.post('/v1/completions', COMPLETION), comes_back())
+
+    assert response.status_code == 200, response.text
+    assert response.json()['choices'][0]['text'].startswith(decoded_text('')[:12])
+
+
+async def test_metrics_count_the_calls_sent_elsewhere_the_waits_and_the_nodes_out_of_rotation(
+        distserve: Cluster, apply_patch: Callable[[str], ModuleType], admission_wait_s: float) -> None:
+    apply_patch('proxy_metrics')
+    register(distserve, dead_node_url(), 'Decode')
+    await answers(distserve, 12, COMPLETION)
+    distserve.proxy.node_manager.remove(distserve.d_url)
+    refused = await distserve.post('/v1/completions', COMPLETION)  # only the dead Decode is left
+
+    scraped = await scrape(distserve)
+
+    assert refused.status_code == 503
+    assert scraped[('lmdeploy_pdfix_proxy_retries_total', (('cause', 'unreachable'), ('role', 'Decode')))] >= 1
+    assert scraped[('lmdeploy_pdfix_proxy_admission_wait_seconds_count',
+                    (('outcome', 'refused'), ('role', 'Decode')))] == 1
+    assert scraped[('lmdeploy_pdfix_proxy_node_breakers', (('state', 'open'),))] == 1
