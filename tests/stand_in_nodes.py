@@ -77,6 +77,7 @@ class PrefillBook(NodeBook):
 @dataclass
 class DecodeBook(NodeBook):
     answer: str = 'ok'  # ok | error | refuses (names the owner) | slow | dies (mid-stream)
+    confirms: bool = False  # refuses (404) a cache its Prefill no longer retains, as a Decode's claim does
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
     kv_layout: dict[str, Any] | None = None  # what its capability route says of its KV cache (None: nothing)
@@ -217,6 +218,9 @@ def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
         if book.answer == 'error':
             return JSONResponse({'error': {'message': 'decode engine failed', 'code': 500}}, status_code=500)
         owner = migration.get('remote_session_id')
+        if book.confirms and owner not in prefill.retained:
+            message = f'migration_request refused: Prefill node: no preserved cache {owner}'
+            return JSONResponse({'error': {'message': message, 'code': 404}}, status_code=404)
         if book.answer == 'refuses':
             message = f'migration_request refused: Prefill node: no preserved cache {owner} on this node'
             return JSONResponse({'error': {'message': message, 'code': 404}}, status_code=404)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
+import re
 import socket
 import threading
 import time
@@ -17,9 +20,9 @@ from types import ModuleType
 import httpx
 import pytest
 
-from lmdeploy_pdfix.domain.breakers import NodeBreakers
+from lmdeploy_pdfix.domain.breakers import FIRST_BACKOFF_S, NodeBreakers
 from lmdeploy_pdfix.shared.proxy_books import PROXY
-from tests.stand_in_nodes import MODEL, Cluster, audit, decoded_text
+from tests.stand_in_nodes import MODEL, Cluster, PrefillBook, audit, decoded_text
 from tests.test_proxy_metrics import scrape
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.regression]
@@ -65,6 +68,52 @@ def dropping_node() -> Iterator[tuple[str, list[float]]]:
         done.set()
         thread.join()
         listener.close()
+
+
+@contextlib.contextmanager
+def decode_dying_with_the_cache(prefill: PrefillBook, like: str) -> Iterator[str]:
+    """A Decode that answers everything as the node at ``like`` does, except a decode request: it copies the cache
+    (its Prefill frees it) and dies before it answers. Yields its URL."""
+    listener = socket.create_server(('127.0.0.1', 0))
+    listener.settimeout(0.1)
+    done = threading.Event()
+    upstream = like.removeprefix('http://').split(':')
+
+    def serve() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                connection, _ = listener.accept()
+                with connection:
+                    head, body = _read_request(connection)
+                    if head.startswith(b'POST /v1/'):
+                        prefill.free(json.loads(body)['migration_request']['remote_session_id'])
+                        continue  # closed unanswered
+                    with socket.create_connection((upstream[0], int(upstream[1])), timeout=5) as node:
+                        head = re.sub(rb'(?i)\r\nconnection:[^\r]*', b'', head) + b'\r\nConnection: close'
+                        node.sendall(head + b'\r\n\r\n' + body)  # one call a connection: the node then closes
+                        while chunk := node.recv(65536):
+                            connection.sendall(chunk)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f'http://127.0.0.1:{listener.getsockname()[1]}'
+    finally:
+        done.set()
+        thread.join()
+        listener.close()
+
+
+def _read_request(connection: socket.socket) -> tuple[bytes, bytes]:
+    connection.settimeout(5)
+    data = b''
+    while b'\r\n\r\n' not in data and (chunk := connection.recv(65536)):
+        data += chunk
+    head, _, body = data.partition(b'\r\n\r\n')
+    length = re.search(rb'(?i)content-length: *(\d+)', head)
+    while length and len(body) < int(length.group(1)) and (chunk := connection.recv(65536)):
+        body += chunk
+    return head, body
 
 
 def register(cluster: Cluster, url: str, role: str) -> None:
@@ -115,16 +164,36 @@ async def test_a_stream_whose_decode_is_dead_is_served_by_another_decode(distser
     assert distserve.prefill.retained == set()
 
 
-async def test_a_node_that_drops_connections_is_skipped_once_a_request_found_it_so(distserve: Cluster) -> None:
+async def test_a_node_that_drops_connections_is_tried_again_only_after_its_back_off(distserve: Cluster) -> None:
     with dropping_node() as (url, accepted):
         register(distserve, url, 'Decode')
-        first = await answers(distserve, 12, COMPLETION)  # one or more of them met it
-        met = len(accepted)
-        later = await answers(distserve, 6, COMPLETION)
+        responses = await answers(distserve, 40, COMPLETION)
 
-    assert [response.status_code for response in first + later] == [200] * 18, texts(first + later)
-    assert met >= 1
-    assert len(accepted) == met  # no later request was sent to it within its back-off
+    assert [response.status_code for response in responses] == [200] * 40, texts(responses)
+    tries = [at for i, at in enumerate(accepted) if i == 0 or at - accepted[i - 1] > 0.2]  # a try: a burst of calls
+    assert tries, 'no request was sent to the dropping node'
+    assert all(later - earlier >= FIRST_BACKOFF_S * 0.9 for earlier, later in itertools.pairwise(tries)), tries
+
+
+async def test_a_decode_that_dies_after_taking_the_cache_costs_its_request_a_new_prefill_not_an_error(
+        distserve: Cluster) -> None:
+    distserve.decode.confirms = True  # as a Decode with lmdeploy-pdfix: a cache taken by another is refused
+    live = distserve.proxy.node_manager.nodes[distserve.d_url]
+    with decode_dying_with_the_cache(distserve.prefill, like=distserve.d_url) as dying:
+        register(distserve, dying, 'Decode')
+        live.unfinished += 1  # busier: the dying Decode is chosen first
+        try:
+            response = await distserve.post('/v1/completions', COMPLETION)
+        finally:
+            live.unfinished -= 1
+
+    assert response.status_code == 200, response.text
+    assert response.json()['choices'][0]['text'].startswith(decoded_text('')[:12])
+    assert len(distserve.prefill.requests) == 2  # the first Prefill's cache went with the dying Decode
+    taken = distserve.prefill.freed[0]  # by the dying Decode
+    assert distserve.prefill.retained == set()
+    assert distserve.prefill.invalid_frees in ([], [taken])  # the proxy cannot know it was taken: a no-op free
+    assert (await audit(distserve))['open'] == 0
 
 
 async def test_with_every_decode_down_a_request_waits_then_gets_503_with_retry_after_and_frees_its_cache(

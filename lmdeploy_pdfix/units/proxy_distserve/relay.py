@@ -122,6 +122,18 @@ class _Unreachable:
 
 
 @dataclass
+class _CacheTaken:
+    """A Decode refused the cache after another Decode of this request failed with it: that one may have claimed,
+    copied or freed it. The request starts again from a Prefill (the client has no byte yet)."""
+
+    answer: JSONResponse
+
+
+# what a Decode answers when a cache was claimed by another, has gone, or its ticket was spent
+CACHE_TAKEN = frozenset({HTTPStatus.NOT_FOUND, HTTPStatus.CONFLICT, HTTPStatus.GONE})
+
+
+@dataclass
 class _Relay:
     """One DistServe request on its way through a Prefill node and a Decode node."""
 
@@ -735,7 +747,7 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
 async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
     """Prefill on one node, then Decode on another; a node that cannot take its call is replaced (D29)."""
     model, roles, tried = request_dict['model'], relay.proxy.EngineRole, set()
-    unreachable: _Unreachable | None = None
+    failure: _Unreachable | JSONResponse | None = None
     for _ in range(RELAY_ATTEMPTS):
         for role in (roles.Prefill, roles.Decode):
             chosen = await _choose(relay, model, role, tried)
@@ -746,22 +758,27 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
             refused = (await _refuse_unproven(relay) or await _refuse_unfixed_prefill(relay)
                        or await _refuse_unreachable_decode(relay) or await _refuse_incompatible_pair(relay))
         if isinstance(refused, _Unreachable):
-            unreachable = _failed(relay, refused, tried)
+            failure = _failed(relay, refused, tried)
             continue
         if refused is not None:
             return refused
         with relay.phase('prefill'):
             answer = await _prefill(relay, request_dict)
         if isinstance(answer, _Unreachable):
-            unreachable = _failed(relay, answer, tried)
+            failure = _failed(relay, answer, tried)
             continue
         if isinstance(answer, JSONResponse):
             return answer
         if isinstance(answer, _FinishedAtPrefill):
             return answer.response(relay.path, bool(request_dict.get('stream')))
-        return await _migrate(relay, request_dict, answer, tried)
-    return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {unreachable.url} is unreachable: '
-                                              f'{unreachable.error}')
+        migrated = await _migrate(relay, request_dict, answer, tried)
+        if not isinstance(migrated, _CacheTaken):
+            return migrated
+        failure = migrated.answer
+        relay.observer.retried('Decode', 'cache_taken')
+    if isinstance(failure, JSONResponse):
+        return failure
+    return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {failure.url} is unreachable: {failure.error}')
 
 
 def _failed(relay: _Relay, unreachable: _Unreachable, tried: set[str]) -> _Unreachable:
@@ -774,7 +791,7 @@ def _failed(relay: _Relay, unreachable: _Unreachable, tried: set[str]) -> _Unrea
 
 
 async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer,
-                   tried: set[str]) -> JSONResponse | StreamingResponse:
+                   tried: set[str]) -> JSONResponse | StreamingResponse | _CacheTaken:
     """Decode from the cache the Prefill retained; a Decode that cannot take the call before the client has a
     byte is replaced by another, with the same cache (its claim and ticket make the migration happen once)."""
     failure: JSONResponse | _Unreachable | None = None
@@ -795,6 +812,8 @@ async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillA
         relay.record.d_url, relay.record.state = relay.d_url, RecordState.MIGRATING
         decode_request = _decode_request(relay, request_dict, answer)
         failure = await (_decode_stream if request_dict.get('stream') else _decode)(relay, decode_request)
+        if attempt and isinstance(failure, JSONResponse) and failure.status_code in CACHE_TAKEN:
+            return _CacheTaken(failure)  # released already, as every refused migration is
         if not isinstance(failure, _Unreachable):
             return failure
         _failed(relay, failure, tried)
