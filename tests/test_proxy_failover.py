@@ -22,7 +22,8 @@ import pytest
 
 from lmdeploy_pdfix.domain.breakers import FIRST_BACKOFF_S, NodeBreakers
 from lmdeploy_pdfix.shared.proxy_books import PROXY
-from tests.stand_in_nodes import MODEL, Cluster, PrefillBook, audit, decoded_text
+from tests.servers import serving
+from tests.stand_in_nodes import MODEL, Cluster, DecodeBook, PrefillBook, audit, decode_app, decoded_text
 from tests.test_proxy_metrics import scrape
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.regression]
@@ -193,6 +194,19 @@ async def test_a_decode_that_dies_after_taking_the_cache_costs_its_request_a_new
     taken = distserve.prefill.freed[0]  # by the dying Decode
     assert distserve.prefill.retained == set()
     assert distserve.prefill.invalid_frees in ([], [taken])  # the proxy cannot know it was taken: a no-op free
+    assert (await audit(distserve))['open'] == 0
+
+
+async def test_a_decode_whose_engine_fails_costs_its_request_a_new_prefill_on_another_pair(
+        distserve: Cluster) -> None:
+    failing = DecodeBook(answer='error')  # answers 500 "decode engine failed", as a Decode whose engine died
+    with serving(decode_app(failing, distserve.prefill)) as url:
+        register(distserve, url, 'Decode')
+        responses = await answers(distserve, 12, COMPLETION)
+
+    assert [response.status_code for response in responses] == [200] * 12, texts(responses)
+    assert failing.migrations, 'no request met the failing Decode'
+    assert distserve.prefill.retained == set() and distserve.prefill.invalid_frees == []
     assert (await audit(distserve))['open'] == 0
 
 

@@ -21,9 +21,9 @@ class RelayObserver:
         ``seconds`` in all."""
 
     def retried(self, role: str, cause: str) -> None:
-        """A call to a ``role`` node failed for ``cause`` (unreachable, disconnected, gone; cache_taken: a Decode
-        that failed may have taken the cache, so the request starts again from a Prefill) and went to another node,
-        or waited for one."""
+        """A call to a ``role`` node failed for ``cause`` and went to another node, or waited for one: unreachable,
+        disconnected, gone; decode_failed (a 5xx) and cache_taken (a Decode that failed may have taken the cache)
+        start the request again from a Prefill."""
 
     def admission_waited(self, role: str, seconds: float, admitted: bool) -> None:
         """A request waited ``seconds`` for a ``role`` node; ``admitted``: one took it, else it was refused."""

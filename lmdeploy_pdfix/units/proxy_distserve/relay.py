@@ -122,11 +122,14 @@ class _Unreachable:
 
 
 @dataclass
-class _CacheTaken:
-    """A Decode refused the cache after another Decode of this request failed with it: that one may have claimed,
-    copied or freed it. The request starts again from a Prefill (the client has no byte yet)."""
+class _StartAgain:
+    """The cache cannot be decoded, but the client has no byte yet: the request starts again from a Prefill.
+
+    Either a Decode failed (a 5xx: its engine, or its Prefill, died under the copy), or a Decode refused the cache
+    after another Decode of this request failed with it (that one may have claimed, copied or freed it)."""
 
     answer: JSONResponse
+    cause: str  # decode_failed | cache_taken
 
 
 # what a Decode answers when a cache was claimed by another, has gone, or its ticket was spent
@@ -318,7 +321,7 @@ async def _choose(relay: _Relay, model: str, role: Any, tried: set[str]) -> str 
     began = time.monotonic()
     while True:
         now = time.monotonic()
-        serving = [url for url, status in relay.nodes.get_nodes(role).items() if model in status.models]
+        serving = _serving(relay, model, role)
         admitted = [url for url in serving if relay.breakers.state(url, now) is not BreakerState.OPEN]
         admitted = [url for url in admitted if url not in tried] or admitted
         if admitted:
@@ -332,6 +335,17 @@ async def _choose(relay: _Relay, model: str, role: Any, tried: set[str]) -> str 
                 relay.observer.admission_waited(role.name, now - began, False)
             return _no_node(relay, model, role.name, serving, now)
         await asyncio.sleep(min(ADMISSION_POLL_S, relay.deadline - now))
+
+
+def _serving(relay: _Relay, model: str, role: Any) -> list[str]:
+    return [url for url, status in relay.nodes.get_nodes(role).items() if model in status.models]
+
+
+def _untried(relay: _Relay, model: str, role: Any, tried: set[str]) -> bool:
+    """Whether a node of ``role`` this request has not tried may take it now."""
+    now = time.monotonic()
+    return any(url not in tried and relay.breakers.state(url, now) is not BreakerState.OPEN
+               for url in _serving(relay, model, role))
 
 
 def _no_node(relay: _Relay, model: str, role: str, serving: list[str], now: float) -> JSONResponse:
@@ -772,10 +786,10 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
         if isinstance(answer, _FinishedAtPrefill):
             return answer.response(relay.path, bool(request_dict.get('stream')))
         migrated = await _migrate(relay, request_dict, answer, tried)
-        if not isinstance(migrated, _CacheTaken):
+        if not isinstance(migrated, _StartAgain):
             return migrated
         failure = migrated.answer
-        relay.observer.retried('Decode', 'cache_taken')
+        relay.observer.retried('Decode', migrated.cause)
     if isinstance(failure, JSONResponse):
         return failure
     return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {failure.url} is unreachable: {failure.error}')
@@ -791,7 +805,7 @@ def _failed(relay: _Relay, unreachable: _Unreachable, tried: set[str]) -> _Unrea
 
 
 async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer,
-                   tried: set[str]) -> JSONResponse | StreamingResponse | _CacheTaken:
+                   tried: set[str]) -> JSONResponse | StreamingResponse | _StartAgain:
     """Decode from the cache the Prefill retained; a Decode that cannot take the call before the client has a
     byte is replaced by another, with the same cache (its claim and ticket make the migration happen once)."""
     failure: JSONResponse | _Unreachable | None = None
@@ -812,8 +826,13 @@ async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillA
         relay.record.d_url, relay.record.state = relay.d_url, RecordState.MIGRATING
         decode_request = _decode_request(relay, request_dict, answer)
         failure = await (_decode_stream if request_dict.get('stream') else _decode)(relay, decode_request)
+        if isinstance(failure, JSONResponse) and failure.status_code >= HTTPStatus.INTERNAL_SERVER_ERROR:
+            tried.add(relay.d_url)
+            if _untried(relay, request_dict['model'], relay.proxy.EngineRole.Decode, tried):
+                return _StartAgain(failure, 'decode_failed')  # released already, as after every failed migration
+            return failure  # the only Decode fails so: its answer, as a Hybrid node's
         if attempt and isinstance(failure, JSONResponse) and failure.status_code in CACHE_TAKEN:
-            return _CacheTaken(failure)  # released already, as every refused migration is
+            return _StartAgain(failure, 'cache_taken')
         if not isinstance(failure, _Unreachable):
             return failure
         _failed(relay, failure, tried)
