@@ -75,6 +75,17 @@ def mixed_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster
     yield from _session_cluster(start_cluster, 'unfixed-prefill', stock=False, stock_roles=('Prefill',))
 
 
+@pytest.fixture(scope='session')
+def two_by_two_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
+    """2 Prefill + 2 Decode nodes behind one patched proxy."""
+    yield from _session_cluster(start_cluster, 'patched-2p2d', stock=False, prefill=2, decode=2)
+
+
+@pytest.fixture
+def two_by_two_cluster(two_by_two_session_cluster: Cluster) -> Cluster:
+    return two_by_two_session_cluster.revive()
+
+
 @pytest.fixture
 def stock_cluster(stock_session_cluster: Cluster) -> Cluster:
     return stock_session_cluster.revive()

@@ -7,18 +7,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from lmdeploy_pdfix_sim import client
+from lmdeploy_pdfix_sim.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 
 
-def test_owners_never_mix_across_two_prefill_two_decode(start_cluster) -> None:
-    with start_cluster('patched-2p2d', stock=False, prefill=2, decode=2) as cluster:
-        def one(i: int) -> client.Result:
-            return client.request(cluster.proxy_url, client.KINDS[i % 3], client.prompt_for(2000 + i), timeout_s=60)
+def test_owners_never_mix_across_two_prefill_two_decode(two_by_two_cluster: Cluster) -> None:
+    cluster = two_by_two_cluster
 
-        with ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(one, range(48)))
-        served = [cluster.node_state(url)['counters'].get('tokens', 0) for url in cluster.prefill_urls]
+    def one(i: int) -> client.Result:
+        return client.request(cluster.proxy_url, client.KINDS[i % 3], client.prompt_for(2000 + i), timeout_s=60)
+
+    before = [cluster.node_state(url)['counters'].get('tokens', 0) for url in cluster.prefill_urls]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(48)))
+    served = [cluster.node_state(url)['counters'].get('tokens', 0) - was
+              for url, was in zip(cluster.prefill_urls, before, strict=True)]
     assert [r for r in results if not r.ok] == []
     assert all(served), f'a Prefill node served nothing: {served}'
 

@@ -827,10 +827,11 @@ async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillA
         decode_request = _decode_request(relay, request_dict, answer)
         failure = await (_decode_stream if request_dict.get('stream') else _decode)(relay, decode_request)
         if isinstance(failure, JSONResponse) and failure.status_code >= HTTPStatus.INTERNAL_SERVER_ERROR:
-            tried.add(relay.d_url)
-            if _untried(relay, request_dict['model'], relay.proxy.EngineRole.Decode, tried):
+            tried.update((relay.p_url, relay.d_url))  # either may be at fault: its Prefill may have died under it
+            roles = relay.proxy.EngineRole
+            if any(_untried(relay, request_dict['model'], role, tried) for role in (roles.Prefill, roles.Decode)):
                 return _StartAgain(failure, 'decode_failed')  # released already, as after every failed migration
-            return failure  # the only Decode fails so: its answer, as a Hybrid node's
+            return failure  # no other pair: its answer, as a Hybrid node's
         if attempt and isinstance(failure, JSONResponse) and failure.status_code in CACHE_TAKEN:
             return _StartAgain(failure, 'cache_taken')
         if not isinstance(failure, _Unreachable):
