@@ -207,6 +207,14 @@ def test_a_healthy_cluster_is_exit_0(stand_ins: StandIns) -> None:
         (stand_ins.node_url('prefill'), 'Prefill'), (stand_ins.node_url('decode'), 'Decode')]
 
 
+def test_a_node_the_proxy_skips_after_a_failure_is_named_with_its_breaker_state(stand_ins: StandIns) -> None:
+    decode = stand_ins.node_url('decode')
+    stand_ins.answers[AUDIT_PATH] = json_answer(proxy_books(breakers={decode: 'open'}))
+    table, report = table_and_report(stand_ins.url, HEALTHY)  # it answers again: the next trial puts it back
+    assert f'the proxy skips Decode {decode} after a failed call (open)' in table
+    assert [row['breaker'] for row in report['nodes']] == [None, 'open']
+
+
 # ---------------------------------------------------------------------------------------------- hostile nodes
 
 
@@ -372,6 +380,8 @@ PROXY_BOOKS: dict[str, MakeAnswer] = {
     'a list': json_answer([]),
     'JSON nested 100k levels deep': raw_answer(deeply_nested()),
     'removed nodes that are a list': json_answer(proxy_books(removed_nodes=[1])),
+    'breakers that are a list': json_answer(proxy_books(breakers=['open'])),
+    'a breaker state with a terminal escape': json_answer(proxy_books(breakers={'http://127.0.0.1:1': '\x1b[2J'})),
     'a failed-release count in Unicode digits': json_answer(proxy_books(open_by_state={'release_failed': '\u0663'})),
     'an age no float holds': json_answer(proxy_books(oldest_age_s=10 ** 400)),
     'a version with a terminal escape': json_answer(proxy_books(software=software(lmdeploy_pdfix='\x1b[31m0.1'))),

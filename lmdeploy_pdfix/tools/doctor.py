@@ -226,6 +226,7 @@ PROXY_BOOKS = {'open': _count, 'open_by_state': _mapping(_name, _count), 'open_b
                'oldest_age_s': _seconds, 'releases': _mapping(_name, _count),
                'owner_rejections': _mapping(_name, _count), 'release_failures': _mapping(_name, _count),
                'removed_nodes': _mapping(_node_url, _optional(_name)), 'software': _software}
+BREAKERS = _mapping(_node_url, _name)
 
 
 # ---------------------------------------------------------------------------------------------- the report
@@ -247,6 +248,7 @@ class NodeRow:
     links: int | None = None
     removed_by_heartbeat: bool = False
     node_key: bool | None = None  # whether it holds a node key, as it says
+    breaker: str | None = None  # the proxy skips it after a failure: open, or half_open (None: closed)
 
 
 @dataclass
@@ -291,17 +293,20 @@ def examine(proxy_url: str, timeout_s: float = 5.0) -> Report:
         list(pool.map(lambda row: _ask_node(row, timeout_s), rows))
     for row in rows:
         row.proxy_open_records = books['open_by_prefill'].get(row.url, 0) if books else 0
+        row.breaker = books['breakers'].get(row.url) if books else None
     problems = [books_problem] if books_problem else []
     problems += _problems(books, rows)
     return Report(proxy_url, True, books['software'] if books else None, books, rows, problems, _notes(rows))
 
 
 def _notes(rows: list[NodeRow]) -> list[str]:
+    notes = [f'the proxy skips {row.role} {row.url} after a failed call ({row.breaker}): it tries it again '
+             'after a back-off, and puts it back once it answers' for row in rows if row.breaker]
     unkeyed = sum(row.node_key is False for row in rows)  # which ones: node_key in the --json rows
-    if not unkeyed:
-        return []
-    return [f"{unkeyed} node(s) hold no node key: anyone who reaches such a node's port can link it, claim and "
-            'free caches; see docs/security.md']
+    if unkeyed:
+        notes.append(f"{unkeyed} node(s) hold no node key: anyone who reaches such a node's port can link it, "
+                     'claim and free caches; see docs/security.md')
+    return notes
 
 
 def _proxy_books(proxy_url: str, answer: Answer) -> tuple[dict[str, Any] | None, str | None]:
@@ -312,7 +317,10 @@ def _proxy_books(proxy_url: str, answer: Answer) -> tuple[dict[str, Any] | None,
     if answer.status is None:
         return None, f'proxy {proxy_url} does not answer {AUDIT_PATH}'
     try:
-        return _fields(answer.json(), '', PROXY_BOOKS), None
+        books = _fields(answer.json(), '', PROXY_BOOKS)
+        # a proxy of an earlier release names no breakers
+        books['breakers'] = BREAKERS(answer.json().get('breakers', {}), 'breakers')
+        return books, None
     except NotUnderstood as exc:
         return None, f'proxy {proxy_url}: {_not_understood(AUDIT_PATH, exc)}'
 

@@ -137,8 +137,10 @@ class ProxyDistServePatch(Patch):
 
     def audit(self) -> dict[str, Any]:
         """The proxy's books (open records by state, oldest age, releases by cause, owner rejections), the nodes
-        its heartbeat removed, and what it runs."""
-        return {**PROXY.ledger.audit(time.monotonic()), 'removed_nodes': PROXY.removed_roles(),
+        its heartbeat removed, the nodes it skips after a failure (their breaker's state), and what it runs."""
+        now = time.monotonic()
+        breakers = {url: state.value for url, state in PROXY.breakers.snapshot(now).items()}
+        return {**PROXY.ledger.audit(now), 'removed_nodes': PROXY.removed_roles(), 'breakers': breakers,
                 'software': installation()}
 
     def _revert(self, module: ModuleType) -> None:
