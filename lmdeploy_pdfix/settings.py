@@ -128,8 +128,8 @@ MAX_CHOICES = Number(
 ADMISSION_WAIT_S = Number(
     'LMDEPLOY_PDFIX_ADMISSION_WAIT_S', 30.0, minimum=0.0, maximum=3600.0, node='proxy', patches=('proxy_distserve',),
     help='how long a DistServe request waits for a Prefill or Decode node when every node of that role is down or '
-         'has just failed (a node that fails a request is skipped, and tried again after 1 s, 2 s, 4 s ... 30 s); '
-         'then 503 with `Retry-After`')
+         'has just failed (a node that fails a call is skipped, and tried again after 1 s, 2 s, 4 s, then every '
+         '5 s); then 503 with `Retry-After`')
 RELAY_ATTEMPTS = Number(
     'LMDEPLOY_PDFIX_RELAY_ATTEMPTS', 4, minimum=1, maximum=32, node='proxy', patches=('proxy_distserve',),
     whole=True, help='most calls one DistServe request makes to nodes of one role: a Prefill or Decode node that '

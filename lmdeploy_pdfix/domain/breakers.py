@@ -2,7 +2,7 @@
 
 LMDeploy's proxy learns that a node is gone only from its heartbeat (every 90 s by default) and meanwhile keeps
 choosing it. Here the request that finds a node unreachable opens that node's breaker at once: no request is
-sent to it until its back-off has passed (1 s, doubling after each failed trial, at most 30 s); then one request
+sent to it until its back-off has passed (1 s, doubling after each failed trial, at most 5 s); then one request
 tries it (half-open), and an answer of any kind closes the breaker again. Plain rules, no I/O: the relay
 reports what it saw and asks which nodes it may choose.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 FIRST_BACKOFF_S = 1.0
-MAX_BACKOFF_S = 30.0
+MAX_BACKOFF_S = 5.0  # a node restarting (15 s here, minutes on GPUs) is tried again soon after it is back
 
 
 class BreakerState(str, enum.Enum):

@@ -66,7 +66,10 @@ def stock_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster
 
 @pytest.fixture(scope='session')
 def patched_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
-    yield from _session_cluster(start_cluster, 'patched-1p1d', stock=False)
+    # a request that meets the only Decode restarting waits for it (test_failover): longer than a loaded host's
+    # restart takes
+    yield from _session_cluster(start_cluster, 'patched-1p1d', stock=False,
+                                env={'LMDEPLOY_PDFIX_ADMISSION_WAIT_S': '120'})
 
 
 @pytest.fixture(scope='session')

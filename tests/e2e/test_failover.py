@@ -1,8 +1,9 @@
 """A lost node costs a client nothing a retry can save, on the real cluster (issue 30, D29).
 
 2 Prefill + 2 Decode nodes behind the patched proxy, under steady load: a Decode node is killed, later started
-again, then a Prefill node is killed. Every request is answered with its exact text, and no cache is left. The
-proxy's heartbeat (90 s) plays no part: the requests that meet a dead node find it out. Stock LMDeploy beside it
+again, then a Prefill node is killed. Every request is answered with its exact text, and no cache is left. With
+1 Prefill + 1 Decode, requests sent while the only Decode restarts wait for it and are served. The proxy's
+heartbeat (90 s) plays no part: the requests that meet a dead node find it out. Stock LMDeploy beside it
 is measured by ``benchmarks/bench_failover.py``; the regression tests are in ``tests/test_proxy_failover.py``.
 """
 
@@ -68,3 +69,18 @@ def test_a_decode_then_a_prefill_killed_under_load_fail_no_request(two_by_two_cl
     assert cluster.settled_state(survivor)['sessions'] == 0
     # caches of the killed Prefill died with it: their frees failed, and gc keeps them until the node is gone
     assert set(http_json('GET', f'{cluster.proxy_url}{AUDIT_PATH}')['open_by_prefill']) <= {prefill}
+
+
+def test_requests_that_meet_the_only_decode_restarting_wait_for_it_and_are_served(patched_cluster: Cluster) -> None:
+    cluster, decode = patched_cluster, patched_cluster.decode_urls[0]
+    cluster.stop_node(decode)
+    with ThreadPoolExecutor(4) as pool:
+        waiting = [pool.submit(client.request, cluster.proxy_url, KINDS[index % 2], client.prompt_for(7000 + index),
+                               timeout_s=180) for index in range(4)]
+        time.sleep(1)
+        cluster.restart_node(decode)
+        results = [answer.result() for answer in waiting]
+
+    assert [result for result in results if not result.ok] == []
+    assert cluster.settled_state(cluster.prefill_urls[0])['sessions'] == 0
+    assert http_json('GET', f'{cluster.proxy_url}{AUDIT_PATH}')['open'] == 0

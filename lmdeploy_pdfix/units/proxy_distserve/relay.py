@@ -14,8 +14,9 @@ import json
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import ModuleType
 from typing import Any, TypeVar
@@ -147,6 +148,7 @@ class _Relay:
     observer: RelayObserver
     breakers: NodeBreakers
     deadline: float = 0.0  # until when the request may wait for a node (time.monotonic)
+    failed_calls: Counter = field(default_factory=Counter)  # by role: calls that failed at once (see _failed)
     p_url: str = ''
     d_url: str = ''
     record: OwnerRecord | None = None
@@ -761,8 +763,7 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
 async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
     """Prefill on one node, then Decode on another; a node that cannot take its call is replaced (D29)."""
     model, roles, tried = request_dict['model'], relay.proxy.EngineRole, set()
-    failure: _Unreachable | JSONResponse | None = None
-    for _ in range(RELAY_ATTEMPTS):
+    while True:
         for role in (roles.Prefill, roles.Decode):
             chosen = await _choose(relay, model, role, tried)
             if isinstance(chosen, JSONResponse):
@@ -771,37 +772,43 @@ async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespo
         with relay.phase('probe'):
             refused = (await _refuse_unproven(relay) or await _refuse_unfixed_prefill(relay)
                        or await _refuse_unreachable_decode(relay) or await _refuse_incompatible_pair(relay))
+        if refused is None:
+            with relay.phase('prefill'):
+                refused = await _prefill(relay, request_dict)
         if isinstance(refused, _Unreachable):
-            failure = _failed(relay, refused, tried)
-            continue
-        if refused is not None:
+            if _failed(relay, refused, tried):
+                continue
+            return relay.error(HTTPStatus.BAD_GATEWAY, f'The {_role(relay, refused.url)} node {refused.url} is '
+                                                      f'unreachable: {refused.error}')
+        if isinstance(refused, JSONResponse):
             return refused
-        with relay.phase('prefill'):
-            answer = await _prefill(relay, request_dict)
-        if isinstance(answer, _Unreachable):
-            failure = _failed(relay, answer, tried)
-            continue
-        if isinstance(answer, JSONResponse):
-            return answer
-        if isinstance(answer, _FinishedAtPrefill):
-            return answer.response(relay.path, bool(request_dict.get('stream')))
-        migrated = await _migrate(relay, request_dict, answer, tried)
+        if isinstance(refused, _FinishedAtPrefill):
+            return refused.response(relay.path, bool(request_dict.get('stream')))
+        migrated = await _migrate(relay, request_dict, refused, tried)
         if not isinstance(migrated, _StartAgain):
             return migrated
-        failure = migrated.answer
         relay.observer.retried('Decode', migrated.cause)
-    if isinstance(failure, JSONResponse):
-        return failure
-    return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {failure.url} is unreachable: {failure.error}')
+        relay.failed_calls['Decode'] += 1
+        if relay.failed_calls['Decode'] >= RELAY_ATTEMPTS:
+            return migrated.answer
 
 
-def _failed(relay: _Relay, unreachable: _Unreachable, tried: set[str]) -> _Unreachable:
-    """Count ``unreachable``'s node as tried by this request, and open its breaker unless it merely left."""
+def _role(relay: _Relay, url: str) -> str:
+    return 'Prefill' if url == relay.p_url else 'Decode'
+
+
+def _failed(relay: _Relay, unreachable: _Unreachable, tried: set[str]) -> bool:
+    """Count ``unreachable``'s node as tried by this request, open its breaker unless it merely left, and say
+    whether the request may call another node: each role gets ``RELAY_ATTEMPTS`` calls that fail at once; a node
+    tried again once its back-off passed (the request waited for it, within its deadline) is not counted again."""
+    role = _role(relay, unreachable.url)
+    if unreachable.url not in tried or time.monotonic() > relay.deadline:
+        relay.failed_calls[role] += 1
     tried.add(unreachable.url)
     if unreachable.cause != 'gone':
         relay.breakers.failed(unreachable.url, time.monotonic())
-    relay.observer.retried('Prefill' if unreachable.url == relay.p_url else 'Decode', unreachable.cause)
-    return unreachable
+    relay.observer.retried(role, unreachable.cause)
+    return relay.failed_calls[role] < RELAY_ATTEMPTS
 
 
 async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillAnswer,
@@ -809,20 +816,25 @@ async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillA
     """Decode from the cache the Prefill retained; a Decode that cannot take the call before the client has a
     byte is replaced by another, with the same cache (its claim and ticket make the migration happen once)."""
     failure: JSONResponse | _Unreachable | None = None
-    for attempt in range(RELAY_ATTEMPTS):
-        if attempt:
+    decode_failed_with_it = False  # a Decode that failed may have claimed, copied or freed the cache
+    while True:
+        if failure is not None:
             failure = await _another_decode(relay, request_dict['model'], tried)
             if isinstance(failure, JSONResponse):
                 break
             if failure is not None:
-                _failed(relay, failure, tried)
-                continue
+                if _failed(relay, failure, tried):
+                    continue
+                break
         with relay.phase('link'):
             unlinked = await _connect(relay)
         if unlinked is not None:  # either node may be at fault: another Decode is tried, no breaker opens
             failure = relay.error(*unlinked)
             tried.add(relay.d_url)
-            continue
+            relay.failed_calls['Decode'] += 1
+            if relay.failed_calls['Decode'] < RELAY_ATTEMPTS:
+                continue
+            break
         relay.record.d_url, relay.record.state = relay.d_url, RecordState.MIGRATING
         decode_request = _decode_request(relay, request_dict, answer)
         failure = await (_decode_stream if request_dict.get('stream') else _decode)(relay, decode_request)
@@ -832,12 +844,14 @@ async def _migrate(relay: _Relay, request_dict: dict[str, Any], answer: PrefillA
             if any(_untried(relay, request_dict['model'], role, tried) for role in (roles.Prefill, roles.Decode)):
                 return _StartAgain(failure, 'decode_failed')  # released already, as after every failed migration
             return failure  # no other pair: its answer, as a Hybrid node's
-        if attempt and isinstance(failure, JSONResponse) and failure.status_code in CACHE_TAKEN:
+        if decode_failed_with_it and isinstance(failure, JSONResponse) and failure.status_code in CACHE_TAKEN:
             return _StartAgain(failure, 'cache_taken')
         if not isinstance(failure, _Unreachable):
             return failure
-        _failed(relay, failure, tried)
+        decode_failed_with_it = True
         relay.record.state = RecordState.PREFILLED
+        if not _failed(relay, failure, tried):
+            break
     await relay.release('no Decode node took the cache')
     if isinstance(failure, _Unreachable):
         return relay.error(HTTPStatus.BAD_GATEWAY, f'Decode node {failure.url} failed: {failure.error!r}')
