@@ -69,7 +69,7 @@ def patched_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Clust
     # a request that meets the only Decode restarting waits for it (test_failover): longer than a loaded host's
     # restart takes
     yield from _session_cluster(start_cluster, 'patched-1p1d', stock=False,
-                                env={'LMDEPLOY_PDFIX_ADMISSION_WAIT_S': '120'})
+                                env={'LMDEPLOY_PDFIX_ADMISSION_WAIT_S': '45'})
 
 
 @pytest.fixture(scope='session')

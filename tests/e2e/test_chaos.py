@@ -35,6 +35,8 @@ def chaos_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
 def test_clients_leaving_under_load_get_no_wrong_answer_and_leave_nothing_behind(
         chaos_cluster: Cluster, seed: int) -> None:
     cluster = chaos_cluster.revive()
+    # the seeds share the cluster: each starts from a Prefill that the one before left with nothing
+    assert cluster.settled_state(cluster.prefill_urls[0], timeout_s=60)['sessions'] == 0
     args = soak_parser().parse_args(['--proxy', cluster.proxy_url, '--chaos', '--requests', str(REQUESTS),
                                      '--concurrency', '8', '--seed', str(seed), '--decode-restarts', '1'])
     summary = run_chaos(args, discover_nodes(cluster.proxy_url), lambda: cluster.bounce(cluster.decode_urls[0]))

@@ -10,11 +10,13 @@ Stock LMDeploy is run through the same steps where it reaches them, to show the 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,12 +309,15 @@ def test_decode_down_releases_the_prefill_cache_and_recovers(cluster: Cluster, m
         assert answer.body.get('error_code') == 10402, answer
         assert leaked_on_prefill(cluster, baseline) == 1
         return
-    answers = {kind: ask(cluster, kind, 'nobody decodes') for kind in KINDS}
+    with ThreadPoolExecutor(len(KINDS)) as pool:  # each waits for a Decode (D29), then is refused
+        answers = dict(zip(KINDS, pool.map(lambda kind: ask(cluster, kind, 'nobody decodes', timeout_s=120), KINDS),
+                           strict=True))
     for kind, answer in answers.items():
-        assert answer.status == 502 and answer.body['object'] == 'error', (kind, answer)
-        assert answer.message.startswith(f'Decode node {decode} failed'), (kind, answer)
+        assert answer.status == 503 and answer.body['object'] == 'error', (kind, answer)
+        # every Decode failed just now, or the heartbeat has removed the dead one meanwhile
+        assert re.match(r'(Every Decode node serving|No Decode node serves) model', answer.message), (kind, answer)
     assert_prefill_back(cluster, baseline)
-    assert compensated(cluster) - books_before == len(KINDS)
+    assert compensated(cluster) - books_before <= len(KINDS)  # none where no Prefill work began
     assert_books_closed(cluster)
     assert get(f'{cluster.prefill_urls[0]}/health').status == 200
 
