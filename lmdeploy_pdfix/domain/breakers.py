@@ -65,10 +65,6 @@ class NodeBreakers:
         """``url`` answered (whatever the status): it is reachable, its breaker closes."""
         self._open.pop(url, None)
 
-    def forget(self, url: str) -> None:
-        """``url`` left the proxy's node list: a node registered again at that address starts closed."""
-        self._open.pop(url, None)
-
     def retry_after_s(self, urls: Iterable[str], now: float) -> float:
         """Seconds until the first of ``urls`` may be tried again (0 if one may be tried now)."""
         waits = [max(0.0, self._open[url].retry_at - now) if url in self._open else 0.0 for url in urls]
