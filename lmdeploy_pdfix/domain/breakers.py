@@ -75,8 +75,7 @@ class NodeBreakers:
         return {url: self.state(url, now) for url in self._open}
 
 
-def least_loaded(urls: list[str], load: Callable[[str], float], pick: Callable[[list[str]], str] = random.choice
-                 ) -> str:
+def least_loaded(urls: list[str], load: Callable[[str], float]) -> str:
     """The node of ``urls`` that carries least now; among equals, one at random (so idle nodes share the load)."""
     lightest = min(load(url) for url in urls)
-    return pick([url for url in urls if load(url) == lightest])
+    return random.choice([url for url in urls if load(url) == lightest])
