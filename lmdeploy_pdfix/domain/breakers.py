@@ -46,6 +46,10 @@ class NodeBreakers:
             return BreakerState.CLOSED
         return BreakerState.OPEN if now < breaker.retry_at else BreakerState.HALF_OPEN
 
+    def admissible(self, urls: Iterable[str], now: float) -> list[str]:
+        """Those of ``urls`` a request may go to now (closed or half-open)."""
+        return [url for url in urls if self.state(url, now) is not BreakerState.OPEN]
+
     def admit(self, url: str, now: float) -> bool:
         """Whether a request may go to ``url`` now. The one request admitted to a half-open node is its trial:
         the node is open again for its back-off, so a trial whose outcome never comes is not the last."""

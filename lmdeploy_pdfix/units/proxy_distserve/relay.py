@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.batching import merge_completions, split_prompts
-from lmdeploy_pdfix.domain.breakers import BreakerState, NodeBreakers, least_loaded
+from lmdeploy_pdfix.domain.breakers import NodeBreakers, least_loaded
 from lmdeploy_pdfix.domain.kv_layout import HOW_TO_PAIR, layout_differences
 from lmdeploy_pdfix.domain.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.domain.protocol import (
@@ -320,23 +320,24 @@ async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
 async def _choose(relay: _Relay, model: str, role: Any, tried: set[str]) -> str | JSONResponse:
     """A node of ``role`` for this request (D29): the least loaded whose breaker admits it, one this request has
     not tried first; while there is none, the request waits until its deadline, then gets 503 with Retry-After."""
-    began = time.monotonic()
+    began, waited = time.monotonic(), False
     while True:
         now = time.monotonic()
         serving = _serving(relay, model, role)
-        admitted = [url for url in serving if relay.breakers.state(url, now) is not BreakerState.OPEN]
+        admitted = relay.breakers.admissible(serving, now)
         admitted = [url for url in admitted if url not in tried] or admitted
         if admitted:
             url = least_loaded(admitted, relay.load)
             relay.breakers.admit(url, now)
-            if now > began:
+            if waited:
                 relay.observer.admission_waited(role.name, now - began, True)
             return url
         if now >= relay.deadline:
-            if now > began:
+            if waited:
                 relay.observer.admission_waited(role.name, now - began, False)
             return _no_node(relay, model, role.name, serving, now)
         await asyncio.sleep(min(ADMISSION_POLL_S, relay.deadline - now))
+        waited = True
 
 
 def _serving(relay: _Relay, model: str, role: Any) -> list[str]:
@@ -345,9 +346,7 @@ def _serving(relay: _Relay, model: str, role: Any) -> list[str]:
 
 def _untried(relay: _Relay, model: str, role: Any, tried: set[str]) -> bool:
     """Whether a node of ``role`` this request has not tried may take it now."""
-    now = time.monotonic()
-    return any(url not in tried and relay.breakers.state(url, now) is not BreakerState.OPEN
-               for url in _serving(relay, model, role))
+    return any(url not in tried for url in relay.breakers.admissible(_serving(relay, model, role), time.monotonic()))
 
 
 def _no_node(relay: _Relay, model: str, role: str, serving: list[str], now: float) -> JSONResponse:
