@@ -171,6 +171,7 @@ async def test_a_node_that_drops_connections_is_tried_again_only_after_its_back_
         responses = await answers(distserve, 40, COMPLETION)
 
     assert [response.status_code for response in responses] == [200] * 40, texts(responses)
+    assert all(text.startswith(decoded_text('')[:12]) for text in texts(responses)), texts(responses)
     tries = [at for i, at in enumerate(accepted) if i == 0 or at - accepted[i - 1] > 0.2]  # a try: a burst of calls
     assert tries, 'no request was sent to the dropping node'
     assert all(later - earlier >= FIRST_BACKOFF_S * 0.9 for earlier, later in itertools.pairwise(tries)), tries
