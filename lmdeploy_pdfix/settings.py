@@ -61,10 +61,11 @@ CONNECT_TIMEOUT_S = Number(
     patches=('proxy_connections',), help='how long a request waits for a Prefill/Decode link to come up')
 HEALTH_TIMEOUT_S = Number(
     'LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S', 10.0, minimum=0.1, maximum=3600.0, node='proxy',
-    patches=('proxy_heartbeat',),
-    help="how long the heartbeat waits for a node's `/health`; a node that fails it is removed and registered "
-         "again once it answers (the heartbeat's period stays LMDeploy's `LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION`, "
-         '90 s)')
+    patches=('proxy_heartbeat', 'proxy_distserve'),
+    help="how long the proxy waits for a node's `/health` (and its capability route): the heartbeat removes a node "
+         "that fails it and registers it again once it answers (the heartbeat's period stays LMDeploy's "
+         "`LMDEPLOY_CONTROLLER_HEART_BEAT_EXPIRATION`, 90 s); a DistServe call that has waited 5 s on a node that "
+         'fails it is given up as hung and goes to another node')
 ORPHAN_TTL_S = Number(
     'LMDEPLOY_PDFIX_ORPHAN_TTL_S', 600.0, minimum=1.0, maximum=7 * _DAY, node='Prefill and Decode',
     patches=('engine_sessions', 'decode_migration_checks'),

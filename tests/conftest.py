@@ -81,6 +81,7 @@ def distserve(stand_in_cluster: Cluster, apply_patch: Callable[[str], ModuleType
     stand_in_cluster.register('Prefill')
     stand_in_cluster.register('Decode')
     yield stand_in_cluster
+    stand_in_cluster.reset()  # a node a test left hung answers its calls' ends
     nodes.nodes.clear()
     nodes.serving_strategy = strategy
 

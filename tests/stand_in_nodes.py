@@ -42,6 +42,7 @@ class NodeBook:
     authorizations: list[str] = field(default_factory=list)  # every Authorization header it was sent
     node_key: str | None = None  # the node key it proves it holds (None: it has no proof route)
     proof_relayed_to: str | None = None  # a real node it passes challenges on to, as a relay would
+    hung: bool = False  # its process hangs: not even /health answers
 
 
 @dataclass
@@ -76,7 +77,7 @@ class PrefillBook(NodeBook):
 
 @dataclass
 class DecodeBook(NodeBook):
-    answer: str = 'ok'  # ok | error | refuses (names the owner) | slow | dies (mid-stream)
+    answer: str = 'ok'  # ok | error | refuses (names the owner) | slow | dies | hangs (mid-stream)
     confirms: bool = False  # refuses (404) a cache its Prefill no longer retains, as a Decode's claim does
     migrations: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)  # owners whose request the client abandoned
@@ -88,7 +89,7 @@ def _new_app(book: NodeBook) -> FastAPI:
     came on and tell who was sent a key."""
     app = FastAPI()
     app.add_middleware(_NotingConnections, book=book)
-    _add_handshake(app)
+    _add_handshake(app, book)
     _add_proof(app, book)
     return app
 
@@ -120,9 +121,10 @@ class _NotingConnections:
         await self.app(scope, receive, send)
 
 
-def _add_handshake(app: FastAPI) -> None:
+def _add_handshake(app: FastAPI, book: NodeBook) -> None:
     @app.get('/health')
     async def health():  # LMDeploy's proxy heartbeat (every 90 s) removes a node whose /health is not 200
+        await _while_hung(book)
         return {}
 
     @app.get('/v1/models')
@@ -231,12 +233,18 @@ def decode_app(book: DecodeBook, prefill: PrefillBook) -> FastAPI:
         prefill.free(owner)  # a real Decode frees the Prefill session over ZMQ once it has copied it
         text = decoded_text(owner)
         if body.get('stream'):
-            return StreamingResponse(_events(text, die=book.answer == 'dies'), media_type='text/event-stream')
+            return StreamingResponse(_events(text, book), media_type='text/event-stream')
         return {'id': 'decode', 'object': 'text_completion', 'choices': [{'index': 0, 'text': text}]}
 
     app.post('/v1/chat/completions')(decode)
     app.post('/v1/completions')(decode)
     return app
+
+
+async def _while_hung(book: NodeBook) -> None:
+    """Answer nothing until the test is over (its books are reset)."""
+    while book.hung:
+        await asyncio.sleep(0.05)
 
 
 async def _abandoned(request: Request, seconds: float) -> bool:
@@ -247,11 +255,14 @@ async def _abandoned(request: Request, seconds: float) -> bool:
     return False
 
 
-async def _events(text: str, die: bool = False):
+async def _events(text: str, book: DecodeBook):
     for word in text.split(' '):
         yield f'data: {json.dumps({"choices": [{"index": 0, "text": word}]})}\n\n'
-        if die:
+        if book.answer == 'dies':
             raise RuntimeError('the Decode engine died')  # the connection breaks mid-stream
+        if book.answer == 'hangs':
+            book.hung = True
+            await _while_hung(book)
     yield 'data: [DONE]\n\n'
 
 

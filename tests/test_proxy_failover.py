@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import json
 import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from types import ModuleType
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -27,6 +29,8 @@ from tests.stand_in_nodes import MODEL, Cluster, DecodeBook, PrefillBook, audit,
 from tests.test_proxy_metrics import scrape
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.regression]
+
+T = TypeVar('T')
 
 COMPLETION = {'model': MODEL, 'prompt': 'hello', 'max_tokens': 8}
 CHAT = {'model': MODEL, 'messages': [{'role': 'user', 'content': 'hello'}], 'max_tokens': 8}
@@ -69,6 +73,50 @@ def dropping_node() -> Iterator[tuple[str, list[float]]]:
         done.set()
         thread.join()
         listener.close()
+
+
+@contextlib.contextmanager
+def hanging_node() -> Iterator[str]:
+    """A node whose process hangs (SIGSTOP, a wedged event loop): it accepts connections and answers nothing, not
+    even ``/health``. Yields its URL."""
+    listener = socket.create_server(('127.0.0.1', 0))
+    listener.settimeout(0.1)
+    done = threading.Event()
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                connection, _ = listener.accept()
+                held.append(connection)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f'http://127.0.0.1:{listener.getsockname()[1]}'
+    finally:
+        done.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+@pytest.fixture
+def hang_check_s(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A call waits 0.3 s on a node before asking its /health, which has 0.5 s to answer."""
+    relay = importlib.import_module('lmdeploy_pdfix.units.proxy_distserve.relay')
+    monkeypatch.setattr(relay, 'HANG_CHECK_S', 0.3, raising=False)
+    monkeypatch.setattr(relay, 'HEALTH_TIMEOUT_S', 0.5)
+    return 0.3 + 0.5
+
+
+async def within(seconds: float, work: Awaitable[T]) -> T:
+    """``work``'s result; a failed test, not a hung suite, when the proxy keeps a call waiting for ever."""
+    try:
+        return await asyncio.wait_for(work, seconds)
+    except asyncio.TimeoutError:
+        pytest.fail(f'no answer within {seconds:g} s')
 
 
 @contextlib.contextmanager
@@ -256,4 +304,54 @@ async def test_metrics_count_the_calls_sent_elsewhere_the_waits_and_the_nodes_ou
     assert scraped[('lmdeploy_pdfix_proxy_retries_total', (('cause', 'unreachable'), ('role', 'Decode')))] >= 1
     assert scraped[('lmdeploy_pdfix_proxy_admission_wait_seconds_count',
                     (('outcome', 'refused'), ('role', 'Decode')))] == 1
-    assert scraped[('lmdeploy_pdfix_proxy_node_breakers', (('state', 'open'),))] == 1
+    # open, or half-open if its back-off ended between the answer and the scrape
+    assert sum(scraped[('lmdeploy_pdfix_proxy_node_breakers', (('state', state),))]
+               for state in ('open', 'half_open')) == 1
+
+
+@pytest.mark.parametrize('role', ['Prefill', 'Decode'])
+async def test_a_hung_node_beside_a_slow_one_is_given_up_and_the_slow_one_is_waited_for(
+        distserve: Cluster, role: str, hang_check_s: float, apply_patch: Callable[[str], ModuleType]) -> None:
+    apply_patch('proxy_metrics')
+    distserve.prefill.delay_s = 1.0  # longer than a call waits before asking the node whether it answers
+    with hanging_node() as hung:
+        register(distserve, hung, role)
+        responses = await within(15, answers(distserve, 4, COMPLETION))
+
+    assert [response.status_code for response in responses] == [200] * 4, texts(responses)
+    assert all(text.startswith(decoded_text('')[:12]) for text in texts(responses)), texts(responses)
+    assert hung in (await audit(distserve))['breakers']
+    assert distserve.prefill.retained == set()
+    assert (await scrape(distserve))[('lmdeploy_pdfix_proxy_retries_total', (('cause', 'hung'), ('role', role)))] >= 1
+
+
+async def test_a_stream_whose_decode_hangs_after_its_first_event_ends_with_an_error_event(
+        distserve: Cluster, hang_check_s: float) -> None:
+    distserve.decode.answer = 'hangs'
+    async with httpx.AsyncClient(timeout=30) as client:
+        async def read() -> list[str]:
+            async with client.stream('POST', distserve.url + '/v1/completions',
+                                     json={**COMPLETION, 'stream': True}) as response:
+                return [line async for line in response.aiter_lines() if line]
+        lines = await within(10, read())
+
+    assert json.loads(lines[0].removeprefix('data: '))['choices'][0]['text'] == 'decoded'
+    assert 'stopped answering' in json.loads(lines[1].removeprefix('data: '))['error']['message']
+    assert lines[-1] == 'data: [DONE]'
+
+
+async def test_a_node_that_registers_again_is_chosen_at_once_not_after_its_back_off(
+        distserve: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.import_module('lmdeploy_pdfix.domain.breakers'), 'FIRST_BACKOFF_S', 600.0)
+    PROXY.breakers.failed(distserve.d_url, time.monotonic())  # the only Decode failed a call, and restarted
+    assert (await audit(distserve))['breakers'] == {distserve.d_url: 'open'}
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        added = await client.post(distserve.url + '/nodes/add',
+                                  json={'url': distserve.d_url,
+                                        'status': {'role': distserve.proxy.EngineRole.Decode.value, 'models': [MODEL]}})
+    response = await within(10, distserve.post('/v1/completions', COMPLETION))
+
+    assert added.status_code == 200, added.text
+    assert response.status_code == 200, response.text
+    assert (await audit(distserve))['breakers'] == {}

@@ -28,7 +28,7 @@ PHASES = ('probe', 'prefill', 'link', 'decode_first_byte', 'total')
 REFUSAL_REASONS = [HTTPStatus(status).phrase for status in (400, 404, 409, 410, 502)]
 MIGRATION_FAILURE_REASONS = ['timeout', 'cancelled', 'aborted', 'claim_expired']
 ROLES = ('Prefill', 'Decode')
-RETRY_CAUSES = ('unreachable', 'disconnected', 'gone', 'decode_failed', 'cache_taken')
+RETRY_CAUSES = ('unreachable', 'disconnected', 'hung', 'gone', 'decode_failed', 'cache_taken')
 PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 

@@ -70,6 +70,16 @@ def _relaying_distserve(proxy: ModuleType, path: str):
     return make_endpoint
 
 
+def _closing_its_breaker(original):
+    def add(self, node_url, status=None):
+        # a node that registers (at its start, or again through the heartbeat) answers: it may take requests at
+        # once, not only after its breaker's back-off (D29)
+        PROXY.breakers.answered(node_url)
+        return original(self, node_url, status)
+
+    return add
+
+
 def _collecting_garbage(proxy: ModuleType, ledger: OwnerLedger):
     def make_endpoint(original):
         async def cache_block_gc_to_be_migrated():
@@ -89,6 +99,7 @@ def _collecting_garbage(proxy: ModuleType, ledger: OwnerLedger):
 class ProxyDistServePatch(Patch):
     wraps = (
         'lmdeploy.serve.proxy.proxy:app.router.routes',
+        'lmdeploy.serve.proxy.proxy:NodeManager.add',
     )
 
     def __init__(self) -> None:
@@ -121,6 +132,7 @@ class ProxyDistServePatch(Patch):
             signature_problem(importlib.import_module(FANOUT_MODULE), 'fanout_chat_completions',
                               ['endpoint', 'request', 'raw_request', 'payload']),
             signature_problem(manager, 'get_node_url', ['self', 'model_name', 'role']),
+            signature_problem(manager, 'add', ['self', 'node_url', 'status']),
             signature_problem(manager, 'pre_call', ['self', 'node_url']),
             signature_problem(manager, 'post_call', ['self', 'node_url', 'start']),
             signature_problem(manager, 'check_request_model', ['self', 'model_name']),
@@ -134,6 +146,7 @@ class ProxyDistServePatch(Patch):
         self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, PROXY.ledger)))
         module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
         module.app.router.on_shutdown.append(close_node_client)
+        self.wrap(module.NodeManager, 'add', _closing_its_breaker)
 
     def audit(self) -> dict[str, Any]:
         """The proxy's books (open records by state, oldest age, releases by cause, owner rejections), the nodes
@@ -144,6 +157,7 @@ class ProxyDistServePatch(Patch):
                 'software': installation()}
 
     def _revert(self, module: ModuleType) -> None:
+        super()._revert(module)
         routes = module.app.router.routes
         while self._originals:
             restore_route(routes, self._originals.pop())

@@ -63,16 +63,30 @@ from lmdeploy_pdfix.shared.proxy_books import RelayObserver
 T = TypeVar('T')
 
 FANOUT_MODULE = 'lmdeploy.serve.openai.chat_completions.fanout'  # LMDeploy's collation of n choices
-PROBE_TIMEOUT_S = 5.0
 # How long a capability answer is trusted: a fixed node stays fixed for a while; an unfixed one may be
 # upgraded any moment, so it is asked again soon.
 PROBE_TTL_S = {True: 60.0, False: 5.0}
 ADMISSION_WAIT_S = settings.ADMISSION_WAIT_S.value()
 RELAY_ATTEMPTS = int(settings.RELAY_ATTEMPTS.value())
 ADMISSION_POLL_S = 0.1  # how often a waiting request looks for a node again (a breaker's back-off is 1 s or more)
+HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
+# How long a call waits on a node before the node is asked whether it answers at all: a prefill or a generation
+# may take minutes, a process that hangs (SIGSTOP, a wedged event loop) never answers its /health either.
+HANG_CHECK_S = 5.0
+
+
+class NodeGoneError(aiohttp.ClientConnectionError):
+    """The node chosen for this request left the proxy's node list before it was called."""
+
+
+class NodeHungError(aiohttp.ClientConnectionError):
+    """The node stopped answering while a call waited on it: its /health did not answer either."""
+
+
 # A call that fails so is safe to send to another node: the node took no work (refused, or reset the connection),
-# or it died, and its caches with it; a Decode that had claimed the cache makes the next Decode's claim fail.
-UNREACHABLE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+# or it died or hangs, and its caches with it; a Decode that had claimed the cache makes the next Decode's claim
+# fail.
+UNREACHABLE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, NodeHungError, NodeGoneError)
 
 
 async def to_the_end(work: Awaitable[T]) -> T:
@@ -103,8 +117,48 @@ async def release(ledger: OwnerLedger, record: OwnerRecord, cause: ReleaseCause,
     return False
 
 
-class NodeGoneError(aiohttp.ClientConnectionError):
-    """The node chosen for this request left the proxy's node list before it was called."""
+class _Liveness:
+    """Whether a node answers at all: one probe of its /health at a time per node, shared by every call waiting
+    on it; any HTTP answer will do (a 401 or 503 comes from a process that runs)."""
+
+    def __init__(self) -> None:
+        self._probes: dict[str, asyncio.Future[bool]] = {}
+
+    def probe(self, url: str) -> asyncio.Future[bool]:
+        probe = self._probes.get(url)
+        if probe is None or probe.get_loop() is not asyncio.get_running_loop():
+            probe = self._probes[url] = asyncio.ensure_future(self._answers(url))
+            probe.add_done_callback(lambda done: self._probes.pop(url) if self._probes.get(url) is done else None)
+        return probe
+
+    @staticmethod
+    async def _answers(url: str) -> bool:
+        try:
+            async with node_client().get(url + '/health', timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)):
+                return True
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+
+_liveness = _Liveness()
+
+
+async def unless_hung(url: str, work: Awaitable[T]) -> T:
+    """``work``'s result, or NodeHungError once ``url`` stops answering while ``work`` waits on it (D29)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=HANG_CHECK_S)
+            if not done:
+                probe = _liveness.probe(url)
+                await asyncio.wait((task, probe), return_when=asyncio.FIRST_COMPLETED)
+                if not task.done() and not probe.result():
+                    raise NodeHungError(f'{url} stopped answering: its /health did not answer within '
+                                        f'{HEALTH_TIMEOUT_S:g} s')
+            if task.done():
+                return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done; else the call is given up and its connection closed
 
 
 @dataclass
@@ -116,9 +170,11 @@ class _Unreachable:
 
     @property
     def cause(self) -> str:
-        """What the retry is counted under: gone (left the node list), disconnected, or unreachable."""
+        """What the retry is counted under: gone (left the node list), hung, disconnected, or unreachable."""
         if isinstance(self.error, NodeGoneError):
             return 'gone'
+        if isinstance(self.error, NodeHungError):
+            return 'hung'
         return 'disconnected' if isinstance(self.error, aiohttp.ServerDisconnectedError) else 'unreachable'
 
 
@@ -189,16 +245,20 @@ class _Relay:
         return self.nodes.pre_call(url)
 
     async def post(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
-        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT."""
+        """POST to a node and read the whole answer, timed by the proxy's own AIOHTTP_TIMEOUT, given up once the
+        node hangs."""
         start = self.begin_call(url)
         try:
-            async with await node_post(url + self.path, json=payload, headers=self.credentials,
-                                       timeout=self.nodes.aiotimeout) as response:
-                self.breakers.answered(url)
-                not_pooled_after_an_error(response)
-                return response.status, await response.text()
+            return await unless_hung(url, self._answer(url, payload))
         finally:
             self.nodes.post_call(url, start)
+
+    async def _answer(self, url: str, payload: dict[str, Any]) -> tuple[int, str]:
+        async with await node_post(url + self.path, json=payload, headers=self.credentials,
+                                   timeout=self.nodes.aiotimeout) as response:
+            self.breakers.answered(url)
+            not_pooled_after_an_error(response)
+            return response.status, await response.text()
 
     def load(self, url: str) -> int:
         """What ``url`` carries now: the calls the proxy has in flight to it."""
@@ -238,29 +298,33 @@ class _CapabilityProbe:
     def __init__(self) -> None:
         self._known: dict[str, tuple[dict[str, Any], float]] = {}
 
-    async def names_owners(self, url: str) -> bool | None:
-        """True or False as the node says; None when it cannot be asked (not remembered)."""
+    async def names_owners(self, url: str) -> bool | _Unreachable:
+        """True or False as the node says; why not when it cannot be asked (not remembered)."""
         said = await self.said(url)
-        return None if said is None else said.get('cache_owner') is True
+        return said if isinstance(said, _Unreachable) else said.get('cache_owner') is True
 
     async def kv_layout(self, url: str) -> Any:
         """The node's KV layout as it describes it; None when it does not, or cannot be asked."""
         said = await self.said(url)
-        return None if said is None else said.get('kv_layout')
+        return None if isinstance(said, _Unreachable) else said.get('kv_layout')
 
-    async def said(self, url: str) -> dict[str, Any] | None:
-        """What ``url`` says of itself (``{}``: nothing, a stock node); None when it cannot be asked."""
+    async def said(self, url: str) -> dict[str, Any] | _Unreachable:
+        """What ``url`` says of itself (``{}``: nothing, a stock node); why not when it cannot be asked."""
         known = self._known.get(url)
         if known is not None and time.monotonic() < known[1]:
             return known[0]
         try:
             async with node_client().get(url + CAPABILITIES_PATH, headers=await node_credentials_for(url),
-                                         timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as response:
+                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
                 if refused_credentials(response.status):
                     raise NodeCredentialsRefusedError(f'HTTP {response.status}')
                 body = parse_json(await response.read()) if response.status == HTTPStatus.OK else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, UnprovenNodeError):
-            return None
+        except asyncio.TimeoutError:
+            return _Unreachable(url, NodeHungError(f'{url} stopped answering: its capability route did not answer '
+                                                   f'within {HEALTH_TIMEOUT_S:g} s'))
+        except (aiohttp.ClientError, ValueError, UnprovenNodeError) as exc:
+            return _Unreachable(url, exc if isinstance(exc, UNREACHABLE) else
+                                f'its capability route did not answer: {exc}')
         said = body if isinstance(body, dict) else {}
         self._known[url] = (said, time.monotonic() + PROBE_TTL_S[said.get('cache_owner') is True])
         return said
@@ -286,8 +350,8 @@ async def _refuse_unfixed_prefill(relay: _Relay) -> JSONResponse | _Unreachable 
     except NodeCredentialsRefusedError as exc:
         return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} refused the credentials of '
                                                    f'the proxy ({exc}). {CREDENTIALS_HINT}')
-    if capable is None:
-        return _Unreachable(relay.p_url, 'its capability route did not answer')
+    if isinstance(capable, _Unreachable):
+        return capable
     if not capable:
         return relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
                            f'The Prefill node {relay.p_url} does not name the owner of the caches it keeps, so '
@@ -300,7 +364,7 @@ async def _refuse_unreachable_decode(relay: _Relay) -> _Unreachable | None:
         said = await _probe.said(relay.d_url)
     except NodeCredentialsRefusedError:  # the Decode's own call will say so, with the client's credentials
         return None
-    return _Unreachable(relay.d_url, 'its capability route did not answer') if said is None else None
+    return said if isinstance(said, _Unreachable) else None
 
 
 async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
@@ -459,7 +523,7 @@ async def _prefill(relay: _Relay, request_dict: dict[str, Any]
         raise
     except asyncio.TimeoutError:
         return relay.error(HTTPStatus.GATEWAY_TIMEOUT, f'The Prefill node {relay.p_url} timed out.')
-    except (*UNREACHABLE, NodeGoneError) as exc:
+    except UNREACHABLE as exc:
         return _Unreachable(relay.p_url, exc)
     except aiohttp.ClientError as exc:
         return relay.error(HTTPStatus.BAD_GATEWAY, f'The Prefill node {relay.p_url} is unreachable: {exc}')
@@ -537,7 +601,7 @@ async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse
         status, text = await relay.post(relay.d_url, decode_request)
         relay.decode_answered()
         body = parse_json(text) if status == HTTPStatus.OK else None
-    except (*UNREACHABLE, NodeGoneError) as exc:
+    except UNREACHABLE as exc:
         return _Unreachable(relay.d_url, exc)  # the client has no byte yet: another Decode may take the cache
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         await relay.release('Decode failed')
@@ -547,6 +611,45 @@ async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse
         return relay.error(status, f'Decode node {relay.d_url}: {_error_message(status, text)}')
     relay.migrated()
     return JSONResponse(body)
+
+
+class _StreamWatch:
+    """Ends a stream whose node hangs (D29): after ``HANG_CHECK_S`` without an event the node is asked whether it
+    answers at all; if not, the stream's connection is closed, and its read fails.
+
+    A timer per stream, not per event: a long generation costs one check every few seconds."""
+
+    def __init__(self, url: str, response: aiohttp.ClientResponse) -> None:
+        self._url, self._response = url, response
+        self._loop = asyncio.get_running_loop()
+        self._heard = False
+        self._probe: asyncio.Future[bool] | None = None
+        self._timer = self._loop.call_later(HANG_CHECK_S, self._check)
+        self.hung = False
+
+    def heard(self) -> None:
+        self._heard = True
+
+    def _check(self) -> None:
+        if self._heard:
+            self._heard = False
+            self._timer = self._loop.call_later(HANG_CHECK_S, self._check)
+            return
+        self._probe = _liveness.probe(self._url)
+        self._probe.add_done_callback(self._probed)
+
+    def _probed(self, probe: asyncio.Future[bool]) -> None:
+        self._probe = None
+        if probe.result():
+            self._timer = self._loop.call_later(HANG_CHECK_S, self._check)
+        else:
+            self.hung = True
+            self._response.close()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._probe is not None:
+            self._probe.remove_done_callback(self._probed)
 
 
 class _DecodeStream(StreamingResponse):
@@ -572,7 +675,21 @@ class _DecodeStream(StreamingResponse):
             yield f'data: {json.dumps({"error": error})}\n\ndata: [DONE]\n\n'.encode()
 
     async def _decode_events(self) -> AsyncIterator[bytes]:
+        watch = _StreamWatch(self._relay.d_url, self._response)
+        try:
+            async for event in self._events_watched(watch):
+                yield event
+        except aiohttp.ClientError:
+            if watch.hung:
+                raise NodeHungError(f'{self._relay.d_url} stopped answering: its /health did not answer within '
+                                    f'{HEALTH_TIMEOUT_S:g} s') from None
+            raise
+        finally:
+            watch.stop()
+
+    async def _events_watched(self, watch: _StreamWatch) -> AsyncIterator[bytes]:
         async for line in self._response.content:
+            watch.heard()
             self._relay.decode_answered()
             line = line.strip()
             # The Decode streams tokens only once it copied the cache and freed the Prefill session.
@@ -625,8 +742,8 @@ async def _decode_stream(relay: _Relay, decode_request: dict[str, Any]
             await relay.release('Decode stream ended before any token')
 
     try:
-        response = await node_post(d_url + relay.path, json=decode_request, headers=relay.credentials,
-                                   timeout=relay.nodes.aiotimeout)
+        response = await unless_hung(d_url, node_post(d_url + relay.path, json=decode_request,
+                                                      headers=relay.credentials, timeout=relay.nodes.aiotimeout))
     except UNREACHABLE as exc:
         relay.nodes.post_call(d_url, start)
         return _Unreachable(d_url, exc)  # no stream has started: another Decode may take the cache
