@@ -136,10 +136,21 @@ RELAY_ATTEMPTS = Number(
     whole=True, help='most calls one DistServe request makes to nodes of one role: a Prefill or Decode node that '
                      'refuses the connection or drops it before answering is replaced by another (a Decode only '
                      'before the client has a byte; a stream that started is never replayed)')
+REQUEST_DEADLINE_S = Number(
+    'LMDEPLOY_PDFIX_REQUEST_DEADLINE_S', 0.0, minimum=0.0, maximum=_DAY, node='proxy', patches=('proxy_distserve',),
+    help='the longest a DistServe request may take until its answer starts (a whole answer, or the first event of '
+         'a stream), waits and retries included; then 504, its Prefill cache released. A client may ask for less '
+         'with the header `X-Request-Deadline-S`. 0: no limit')
+NODE_MAX_IN_FLIGHT = Number(
+    'LMDEPLOY_PDFIX_NODE_MAX_IN_FLIGHT', 0, minimum=0, maximum=1_000_000, node='proxy', patches=('proxy_distserve',),
+    whole=True, help='most DistServe calls the proxy has in flight to one node; a request finding every node of a '
+                     'role at it waits (`LMDEPLOY_PDFIX_ADMISSION_WAIT_S`), then gets 429 with `Retry-After`. '
+                     '0: no limit')
 
 NUMBERS: tuple[Number, ...] = (GC_AGE_S, CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S, ORPHAN_TTL_S, CLAIM_LEASE_S,
                                MIGRATION_TIMEOUT_S, ZMQ_SEND_TIMEOUT_S, LOOP_STALL_S, HEALTH_POLL_S, MAX_PROMPTS,
-                               MAX_CHOICES, MAX_LINK_WAITERS, KEEPALIVE_S, ADMISSION_WAIT_S, RELAY_ATTEMPTS)
+                               MAX_CHOICES, MAX_LINK_WAITERS, KEEPALIVE_S, ADMISSION_WAIT_S, RELAY_ATTEMPTS,
+                               REQUEST_DEADLINE_S, NODE_MAX_IN_FLIGHT)
 
 # covers the hop from a Decode's claim to its engine, which counts the lease from the request's arrival
 _CLAIM_HOP_MARGIN_S = 30.0

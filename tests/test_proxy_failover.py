@@ -355,3 +355,77 @@ async def test_a_node_that_registers_again_is_chosen_at_once_not_after_its_back_
     assert added.status_code == 200, added.text
     assert response.status_code == 200, response.text
     assert (await audit(distserve))['breakers'] == {}
+
+
+@pytest.fixture
+def node_max_in_flight(monkeypatch: pytest.MonkeyPatch) -> int:
+    """LMDEPLOY_PDFIX_NODE_MAX_IN_FLIGHT=1 for this test (the relay reads it once, at import)."""
+    monkeypatch.setattr(importlib.import_module('lmdeploy_pdfix.units.proxy_distserve.relay'), 'NODE_MAX_IN_FLIGHT', 1)
+    return 1
+
+
+async def test_requests_beyond_a_nodes_limit_wait_for_it_in_turn(
+        distserve: Cluster, node_max_in_flight: int, admission_wait_s: float) -> None:
+    distserve.prefill.delay_s = 0.2
+
+    responses = await asyncio.gather(*(distserve.post('/v1/completions', COMPLETION) for _ in range(3)))
+
+    assert [response.status_code for response in responses] == [200] * 3, texts(responses)
+    assert distserve.prefill.most_in_flight == node_max_in_flight
+
+
+async def test_a_request_that_finds_every_node_at_its_limit_past_the_wait_gets_429_with_retry_after(
+        distserve: Cluster, node_max_in_flight: int, admission_wait_s: float,
+        apply_patch: Callable[[str], ModuleType]) -> None:
+    apply_patch('proxy_metrics')
+    distserve.prefill.delay_s = admission_wait_s * 3
+    first = asyncio.ensure_future(distserve.post('/v1/completions', COMPLETION))
+    await asyncio.sleep(admission_wait_s / 2)
+    second = asyncio.ensure_future(distserve.post('/v1/completions', COMPLETION))
+    await asyncio.sleep(admission_wait_s / 2)
+    waiting = (await scrape(distserve))[('lmdeploy_pdfix_proxy_waiting_requests', (('role', 'Prefill'),))]
+    answers_ = await asyncio.gather(first, second)
+
+    assert waiting == 1
+    assert [answer.status_code for answer in answers_] == [200, 429], texts(answers_)
+    assert int(answers_[1].headers['Retry-After']) >= 1
+    assert 'in flight' in answers_[1].json()['message']
+    assert len(distserve.prefill.requests) == 1
+
+
+DEADLINES = {'the operator\'s': (0.5, None), 'the client\'s': (0.0, '0.5'), 'the operator\'s, shorter': (0.5, '30')}
+
+
+@pytest.mark.parametrize('operator_s, header', DEADLINES.values(), ids=DEADLINES.keys())
+async def test_a_request_past_its_deadline_gets_504_and_frees_its_cache(
+        distserve: Cluster, monkeypatch: pytest.MonkeyPatch, operator_s: float, header: str | None) -> None:
+    monkeypatch.setattr(importlib.import_module('lmdeploy_pdfix.units.proxy_distserve'), 'REQUEST_DEADLINE_S',
+                        operator_s)
+    distserve.prefill.delay_s = 2.0
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(distserve.url + '/v1/completions', json=COMPLETION,
+                                     headers={'X-Request-Deadline-S': header} if header else {})
+    answered_s = time.monotonic() - started
+    for _ in range(60):  # the Prefill answers after 2 s; its cache is freed then
+        if distserve.prefill.freed:
+            break
+        await asyncio.sleep(0.1)
+
+    assert response.status_code == 504, response.text
+    assert 'deadline (0.5 s)' in response.json()['message']
+    assert answered_s < 1.5
+    assert distserve.prefill.retained == set() and len(distserve.prefill.freed) == 1
+    assert (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.parametrize('header', ['soon', '-1', '0', 'nan', 'inf', '1e400', '\u0663'.encode(), '9' * 40])
+async def test_a_deadline_header_that_is_not_a_number_of_seconds_gets_400_and_reaches_no_node(
+        distserve: Cluster, header: str) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(distserve.url + '/v1/completions', json=COMPLETION,
+                                     headers={'X-Request-Deadline-S': header})
+
+    assert response.status_code == 400, response.text
+    assert 'x-request-deadline-s must be a number of seconds above 0' in response.json()['message']
+    assert distserve.prefill.requests == []

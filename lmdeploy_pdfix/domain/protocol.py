@@ -80,6 +80,8 @@ DUMMY_PREFILL_FIELD = 'dummy_prefill'
 # The proxy's status for a request whose client went away first (nginx's); the client never reads it, the
 # proxy's metrics count it as such.
 CLIENT_CLOSED_REQUEST = 499
+# A client's own deadline for its DistServe request, in seconds from its arrival (at most the operator's)
+DEADLINE_HEADER = 'x-request-deadline-s'
 
 MAX_NODE_URL_CHARS = 2048  # a node URL in a request body (a Prefill's engine id, a claiming Decode's)
 
@@ -156,6 +158,23 @@ def presents_node_key(headers: Any) -> bool:
         return False
     # digests: compare_digest refuses non-ASCII text, and equal lengths leak nothing of the key
     return hmac.compare_digest(hashlib.sha256(presented.encode()).digest(), hashlib.sha256(key.encode()).digest())
+
+
+def request_deadline_s(client_headers: Any, most_s: float) -> float | None:
+    """The seconds a DistServe request may take until its answer starts: the client's ``X-Request-Deadline-S``
+    within the operator's ``most_s`` (0: no limit), or None for none. ValueError for a header that is not a number
+    of seconds above 0."""
+    raw = client_headers.get(DEADLINE_HEADER) if client_headers is not None else None
+    asked = None
+    if raw is not None:
+        try:
+            asked = float(raw) if len(raw) <= 32 and raw.strip().isascii() else math.nan
+        except ValueError:
+            asked = math.nan
+        if not 0 < asked < math.inf:
+            raise ValueError(f'{DEADLINE_HEADER} must be a number of seconds above 0')
+    limits = [limit for limit in (asked, most_s or None) if limit is not None]
+    return min(limits, default=None)
 
 
 def forwarded_credentials(client_headers: Any) -> dict[str, str]:

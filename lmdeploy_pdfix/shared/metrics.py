@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -54,9 +54,13 @@ class ProxyMetrics(RelayObserver):
         self._retries = Counter(f'{PREFIX}_proxy_retries', 'Calls to a node that could not take them, sent to '
                                 'another node or waited on, by role and cause', ['role', 'cause'], registry=registry)
         self._admission = Histogram(f'{PREFIX}_proxy_admission_wait_seconds', 'Time a DistServe request waited '
-                                    'for a node of a role, by outcome (admitted, refused: 503 with Retry-After)',
+                                    'for a node of a role, by outcome (admitted; refused: 503 or 429 with Retry-After)',
                                     ['role', 'outcome'], buckets=PHASE_BUCKETS_S, registry=registry)
+        self._waiting = Gauge(f'{PREFIX}_proxy_waiting_requests', 'DistServe requests waiting now for a node of a '
+                              'role (every one down, failed just now, or at its limit of requests in flight)',
+                              ['role'], registry=registry)
         for role in ROLES:
+            self._waiting.labels(role)
             for cause in RETRY_CAUSES:
                 self._retries.labels(role, cause)
             for outcome in ('admitted', 'refused'):
@@ -74,6 +78,9 @@ class ProxyMetrics(RelayObserver):
 
     def admission_waited(self, role: str, seconds: float, admitted: bool) -> None:
         self._admission.labels(role, 'admitted' if admitted else 'refused').observe(seconds)
+
+    def waiting(self, role: str, change: int) -> None:
+        self._waiting.labels(role).inc(change)
 
 
 class BreakerCollector(Collector):

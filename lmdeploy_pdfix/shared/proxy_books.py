@@ -28,6 +28,9 @@ class RelayObserver:
     def admission_waited(self, role: str, seconds: float, admitted: bool) -> None:
         """A request waited ``seconds`` for a ``role`` node; ``admitted``: one took it, else it was refused."""
 
+    def waiting(self, role: str, change: int) -> None:
+        """A request began (1) or ended (-1) waiting for a ``role`` node."""
+
 
 class ProxyBooks:
     def __init__(self) -> None:

@@ -69,6 +69,7 @@ class Process:
     log: str
     state_file: str | None = None
     stopped: bool = False  # stopped by ``stop_node``; ``restart_node`` starts it again on the same port
+    frozen: bool = False  # hung by ``freeze`` (SIGSTOP) until ``thaw``
 
 
 @dataclass
@@ -236,6 +237,23 @@ class Cluster:
         proc.stopped = True
         return proc
 
+    def freeze(self, url: str) -> Process:
+        """Hang one node's process group (SIGSTOP): its kernel still accepts connections, it answers nothing, not
+        even ``/health``, until :meth:`thaw`."""
+        proc = self.process(url)
+        if proc.role == 'Proxy':
+            raise ValueError('freeze hangs Prefill and Decode nodes only')
+        os.killpg(proc.pid, signal.SIGSTOP)
+        proc.frozen = True
+        return proc
+
+    def thaw(self, url: str) -> Process:
+        """Let a frozen node run on (SIGCONT)."""
+        proc = self.process(url)
+        os.killpg(proc.pid, signal.SIGCONT)
+        proc.frozen = False
+        return proc
+
     def restart_node(self, url: str, timeout_s: float | None = None) -> Process:
         """Start a stopped node again on the same URL; it re-registers with the proxy before it is healthy."""
         old = self.process(url)
@@ -255,6 +273,8 @@ class Cluster:
         for proc in list(self.processes):
             if proc.role == 'Proxy':
                 continue
+            if proc.frozen:
+                self.thaw(proc.url)
             if not proc.stopped and _healthy(proc.url):
                 continue
             if not proc.stopped:
@@ -415,6 +435,7 @@ def stop_processes(processes: list[Process], grace_s: float = _TERM_GRACE_S) -> 
         for pgid in groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGTERM)
+                os.killpg(pgid, signal.SIGCONT)  # a frozen group takes its SIGTERM only once it runs
     deadline = time.monotonic() + grace_s
     for pgid in groups:
         while time.monotonic() < deadline and (_alive(pgid) or _group_alive(pgid)):

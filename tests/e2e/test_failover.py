@@ -1,7 +1,8 @@
 """A lost node costs a client nothing a retry can save, on the real cluster (issue 30, D29).
 
 2 Prefill + 2 Decode nodes behind the patched proxy, under steady load: a Decode node is killed, later started
-again, then a Prefill node is killed. Every request is answered with its exact text, and no cache is left. With
+again, then a Prefill node is killed; or a Decode node hangs (SIGSTOP) for a while. Every request is answered with
+its exact text, and no cache is left. With
 1 Prefill + 1 Decode, requests sent while the only Decode restarts wait for it and are served. The proxy's
 heartbeat (90 s) plays no part: the requests that meet a dead node find it out. Stock LMDeploy beside it
 is measured by ``benchmarks/bench_failover.py``; the regression tests are in ``tests/test_proxy_failover.py``.
@@ -69,6 +70,23 @@ def test_a_decode_then_a_prefill_killed_under_load_fail_no_request(two_by_two_cl
     assert cluster.settled_state(survivor)['sessions'] == 0
     # caches of the killed Prefill died with it: their frees failed, and gc keeps them until the node is gone
     assert set(http_json('GET', f'{cluster.proxy_url}{AUDIT_PATH}')['open_by_prefill']) <= {prefill}
+
+
+def test_a_decode_that_hangs_under_load_fails_no_request(two_by_two_cluster: Cluster) -> None:
+    cluster, decode = two_by_two_cluster, two_by_two_cluster.decode_urls[0]
+    with Load(cluster) as load:
+        time.sleep(3)
+        cluster.freeze(decode)  # SIGSTOP: it accepts connections and answers nothing, not even /health
+        time.sleep(12)
+        cluster.thaw(decode)
+        time.sleep(2)
+
+    failed = [result for result in load.results if not result.ok]
+    assert len(load.results) >= 40, len(load.results)
+    assert failed == [], f'{len(failed)} of {len(load.results)} failed: {failed[:3]}'
+    # the calls given up on the frozen Decode were closed: once it runs again it aborts them and frees their caches
+    assert [cluster.settled_state(url, timeout_s=60)['sessions'] for url in cluster.prefill_urls] == [0, 0]
+    assert http_json('GET', f'{cluster.proxy_url}{AUDIT_PATH}')['open'] == 0
 
 
 def test_requests_that_meet_the_only_decode_restarting_wait_for_it_and_are_served(patched_cluster: Cluster) -> None:

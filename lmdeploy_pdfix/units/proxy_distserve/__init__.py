@@ -16,15 +16,24 @@ first token; and a Prefill/Decode pair whose KV layouts differ is refused before
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import time
 from collections import Counter
+from http import HTTPStatus
 from types import ModuleType
 from typing import Any
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.ledger import OwnerLedger, ReleaseCause
-from lmdeploy_pdfix.domain.protocol import AUDIT_PATH, CHAT_PATH, COMPLETIONS_PATH, GC_PATH, forwarded_credentials
+from lmdeploy_pdfix.domain.protocol import (
+    AUDIT_PATH,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    GC_PATH,
+    forwarded_credentials,
+    request_deadline_s,
+)
 from lmdeploy_pdfix.patching import (
     Patch,
     first_problem,
@@ -39,7 +48,7 @@ from lmdeploy_pdfix.units.proxy_distserve.relay import (
     observed,
     relay_distserve,
     release,
-    until_client_leaves,
+    within_deadline,
 )
 
 MIGRATION_FIELDS = {'protocol', 'remote_engine_id', 'remote_session_id', 'remote_token_id', 'remote_block_ids'}
@@ -48,6 +57,7 @@ NODE_MANAGER_READS = ('nodes', 'aiotimeout', 'migration_protocol', 'rdma_config'
                       'dummy_prefill', 'serving_strategy')
 # Never cut a migration that is merely queued: peers hold unmatched caches for 300-480 s.
 GC_AGE_S = settings.GC_AGE_S.value()
+REQUEST_DEADLINE_S = settings.REQUEST_DEADLINE_S.value()
 
 
 def _relaying_distserve(proxy: ModuleType, path: str):
@@ -60,9 +70,18 @@ def _relaying_distserve(proxy: ModuleType, path: str):
             if rejected is not None:
                 return rejected
             started, observer = time.perf_counter(), PROXY.observer
-            credentials = forwarded_credentials(getattr(raw_request, 'headers', None))
-            answer = await until_client_leaves(
-                raw_request, relay_distserve(proxy, path, PROXY.ledger, PROXY.breakers, request, credentials, observer))
+            headers = getattr(raw_request, 'headers', None)
+            try:
+                deadline_s = request_deadline_s(headers, REQUEST_DEADLINE_S)
+            except ValueError as exc:
+                return observed(proxy.create_error_response(HTTPStatus.BAD_REQUEST, str(exc)), observer, path, started)
+            work = relay_distserve(proxy, path, PROXY.ledger, PROXY.breakers, request, forwarded_credentials(headers),
+                                   observer)
+            try:
+                answer = await within_deadline(raw_request, work, deadline_s)
+            except asyncio.TimeoutError:
+                answer = proxy.create_error_response(HTTPStatus.GATEWAY_TIMEOUT,
+                                                     f'The request took longer than its deadline ({deadline_s:g} s).')
             return observed(answer, observer, path, started)
 
         return endpoint

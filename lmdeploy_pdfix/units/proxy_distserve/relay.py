@@ -68,6 +68,7 @@ FANOUT_MODULE = 'lmdeploy.serve.openai.chat_completions.fanout'  # LMDeploy's co
 PROBE_TTL_S = {True: 60.0, False: 5.0}
 ADMISSION_WAIT_S = settings.ADMISSION_WAIT_S.value()
 RELAY_ATTEMPTS = int(settings.RELAY_ATTEMPTS.value())
+NODE_MAX_IN_FLIGHT = int(settings.NODE_MAX_IN_FLIGHT.value())
 ADMISSION_POLL_S = 0.1  # how often a waiting request looks for a node again (a breaker's back-off is 1 s or more)
 HEALTH_TIMEOUT_S = settings.HEALTH_TIMEOUT_S.value()
 # How long a call waits on a node before the node is asked whether it answers at all: a prefill or a generation
@@ -205,6 +206,7 @@ class _Relay:
     breakers: NodeBreakers
     deadline: float = 0.0  # until when the request may wait for a node (time.monotonic)
     failed_calls: Counter = field(default_factory=Counter)  # by role: calls that failed at once (see _failed)
+    chosen: dict[str, str] = field(default_factory=dict)  # by role: the node chosen and not called yet
     p_url: str = ''
     d_url: str = ''
     record: OwnerRecord | None = None
@@ -238,8 +240,24 @@ class _Relay:
         if started is not None:
             self.observer.phase('decode_first_byte', time.perf_counter() - started)
 
+    def choose(self, role: str, url: str) -> None:
+        """``url`` takes this request's next call for ``role``: it counts as load from now, not only once called."""
+        self.unchoose(self.chosen.get(role))
+        self.chosen[role] = url
+        _CHOSEN[url] += 1
+
+    def unchoose(self, url: str | None) -> None:
+        """``url`` is called now, or no longer chosen."""
+        for role, chosen in list(self.chosen.items()):
+            if chosen == url:
+                del self.chosen[role]
+                _CHOSEN[url] -= 1
+                if not _CHOSEN[url]:
+                    del _CHOSEN[url]
+
     def begin_call(self, url: str) -> float:
         """Count a call to ``url`` in the proxy's books (``pre_call``); pair it with ``nodes.post_call``."""
+        self.unchoose(url)
         if url not in self.nodes.nodes:  # removed (heartbeat, re-registration) since it was chosen
             raise NodeGoneError(f'{url} is no longer registered with the proxy')
         return self.nodes.pre_call(url)
@@ -261,9 +279,9 @@ class _Relay:
             return response.status, await response.text()
 
     def load(self, url: str) -> int:
-        """What ``url`` carries now: the calls the proxy has in flight to it."""
+        """What ``url`` carries now: the calls the proxy has in flight to it, or is about to make."""
         status = self.nodes.nodes.get(url)
-        return getattr(status, 'unfinished', 0) if status is not None else 0
+        return (getattr(status, 'unfinished', 0) if status is not None else 0) + _CHOSEN[url]
 
     def hold(self, owner: int) -> None:
         """Open the books on the cache the Prefill node retained for this request."""
@@ -285,6 +303,11 @@ class _Relay:
         record, self.record = self.record, None
         if record is not None:
             self.ledger.close(record, ReleaseCause.MIGRATED)
+
+
+# Calls chosen for a node and not made yet, by node: a request's probes run between its choice and its call, so
+# requests arriving together would otherwise all see the node idle.
+_CHOSEN: Counter[str] = Counter()
 
 
 class NodeCredentialsRefusedError(Exception):
@@ -382,26 +405,41 @@ async def _refuse_incompatible_pair(relay: _Relay) -> JSONResponse | None:
 
 
 async def _choose(relay: _Relay, model: str, role: Any, tried: set[str]) -> str | JSONResponse:
-    """A node of ``role`` for this request (D29): the least loaded whose breaker admits it, one this request has
-    not tried first; while there is none, the request waits until its deadline, then gets 503 with Retry-After."""
-    began, waited = time.monotonic(), False
-    while True:
-        now = time.monotonic()
-        serving = _serving(relay, model, role)
-        admitted = relay.breakers.admissible(serving, now)
-        admitted = [url for url in admitted if url not in tried] or admitted
-        if admitted:
-            url = least_loaded(admitted, relay.load)
-            relay.breakers.admit(url, now)
-            if waited:
-                relay.observer.admission_waited(role.name, now - began, True)
-            return url
-        if now >= relay.deadline:
-            if waited:
-                relay.observer.admission_waited(role.name, now - began, False)
-            return _no_node(relay, model, role.name, serving, now)
-        await asyncio.sleep(min(ADMISSION_POLL_S, relay.deadline - now))
-        waited = True
+    """A node of ``role`` for this request (D29): the least loaded whose breaker admits it and that is below
+    ``NODE_MAX_IN_FLIGHT``, one this request has not tried first; while there is none, the request waits until its
+    deadline, then gets 503 (or 429: every node is busy) with Retry-After."""
+    url = _admitted(relay, model, role, tried, time.monotonic())
+    if not isinstance(url, list):
+        return url
+    began = time.monotonic()
+    relay.observer.waiting(role.name, 1)
+    try:
+        while not isinstance(url, str) and time.monotonic() < relay.deadline:
+            await asyncio.sleep(min(ADMISSION_POLL_S, max(0.0, relay.deadline - time.monotonic())))
+            url = _admitted(relay, model, role, tried, time.monotonic())
+    finally:
+        relay.observer.waiting(role.name, -1)
+    now = time.monotonic()
+    relay.observer.admission_waited(role.name, now - began, isinstance(url, str))
+    return url if isinstance(url, str) else _no_node(relay, model, role.name, url, now)
+
+
+def _admitted(relay: _Relay, model: str, role: Any, tried: set[str], now: float) -> str | list[str]:
+    """The node this request goes to now, admitted; else the nodes serving ``model`` as ``role``."""
+    serving = _serving(relay, model, role)
+    relay.unchoose(relay.chosen.get(role.name))  # replaced: its load is not this request's any more
+    admitted = [url for url in relay.breakers.admissible(serving, now) if not _busy(relay, url)]
+    admitted = [url for url in admitted if url not in tried] or admitted
+    if not admitted:
+        return serving
+    url = least_loaded(admitted, relay.load)
+    relay.breakers.admit(url, now)
+    relay.choose(role.name, url)
+    return url
+
+
+def _busy(relay: _Relay, url: str) -> bool:
+    return 0 < NODE_MAX_IN_FLIGHT <= relay.load(url)
 
 
 def _serving(relay: _Relay, model: str, role: Any) -> list[str]:
@@ -416,6 +454,10 @@ def _untried(relay: _Relay, model: str, role: Any, tried: set[str]) -> bool:
 def _no_node(relay: _Relay, model: str, role: str, serving: list[str], now: float) -> JSONResponse:
     if not serving:
         answer = relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {role} node serves model {model!r}.')
+    elif relay.breakers.admissible(serving, now):  # up, and every one at its limit
+        answer = relay.error(HTTPStatus.TOO_MANY_REQUESTS,
+                             f'Every {role} node serving model {model!r} has {NODE_MAX_IN_FLIGHT} requests in flight '
+                             f'({settings.NODE_MAX_IN_FLIGHT.name}); try again shortly.')
     else:
         answer = relay.error(HTTPStatus.SERVICE_UNAVAILABLE,
                              f'Every {role} node serving model {model!r} failed just now; try again shortly.')
@@ -833,26 +875,39 @@ async def _reported_at_end(answer: StreamingResponse, events: AsyncIterator[Any]
         observer.finished(route, status, time.perf_counter() - started)
 
 
-async def until_client_leaves(raw_request: Any, work: Awaitable[Any]) -> Any:
-    """``work``'s answer; if the client disconnects first, ``work`` is cancelled (and so releases)."""
+async def within_deadline(raw_request: Any, work: Awaitable[Any], deadline_s: float | None) -> Any:
+    """``work``'s answer; if the client disconnects first (499), or ``deadline_s`` passes before it answers
+    (TimeoutError), ``work`` is cancelled, and so releases."""
     task = asyncio.ensure_future(work)
     # waits on the server's disconnect event: polling every in-flight request cost the proxy CPU per second of
     # latency, so its CPU per request grew with load and scale
     left = asyncio.ensure_future(_client_left(raw_request))
     try:
-        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, left}, timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            answer = await task
-            close = getattr(answer, 'close', None)  # a stream it made just before the cancel: nobody reads it
-            if close is not None:
-                await close()
+        if not left.done():  # the client waits for its 504: what the cancel releases is released meanwhile
+            _SETTLING.add(settling := asyncio.ensure_future(_settled(task)))
+            settling.add_done_callback(_SETTLING.discard)
+            raise asyncio.TimeoutError
+        await _settled(task)
         return JSONResponse({'error': 'client disconnected'}, status_code=CLIENT_CLOSED_REQUEST)
     finally:
         task.cancel()  # a no-op once it is done; stops it if this handler itself is cancelled
         left.cancel()
+
+
+_SETTLING: set[asyncio.Future] = set()  # requests cancelled at their deadline, releasing what they retained
+
+
+async def _settled(cancelled: asyncio.Future) -> None:
+    """Wait for a cancelled request to release what it retained."""
+    with contextlib.suppress(asyncio.CancelledError):
+        answer = await cancelled
+        close = getattr(answer, 'close', None)  # a stream it made just before the cancel: nobody reads it
+        if close is not None:
+            await close()
 
 
 async def _client_left(raw_request: Any) -> None:
@@ -874,6 +929,9 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
         lmdeploy_logger().exception('lmdeploy-pdfix: DistServe relay failed')
         await relay.release(f'proxy error {exc!r}')
         return relay.error(HTTPStatus.INTERNAL_SERVER_ERROR, f'The proxy failed to relay the request: {exc!r}')
+    finally:
+        for url in list(relay.chosen.values()):  # chosen, never called: refused by a probe, or the request ended
+            relay.unchoose(url)
 
 
 async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
