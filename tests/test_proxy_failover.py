@@ -25,7 +25,16 @@ import pytest
 from lmdeploy_pdfix.domain.breakers import FIRST_BACKOFF_S, NodeBreakers
 from lmdeploy_pdfix.shared.proxy_books import PROXY
 from tests.servers import serving
-from tests.stand_in_nodes import MODEL, Cluster, DecodeBook, PrefillBook, audit, decode_app, decoded_text
+from tests.stand_in_nodes import (
+    MODEL,
+    Cluster,
+    DecodeBook,
+    PrefillBook,
+    audit,
+    decode_app,
+    decoded_text,
+    prefill_app,
+)
 from tests.test_proxy_metrics import scrape
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.regression]
@@ -429,3 +438,16 @@ async def test_a_deadline_header_that_is_not_a_number_of_seconds_gets_400_and_re
     assert response.status_code == 400, response.text
     assert 'x-request-deadline-s must be a number of seconds above 0' in response.json()['message']
     assert distserve.prefill.requests == []
+
+
+async def test_a_prefill_keeping_caches_for_the_proxys_requests_is_chosen_after_an_idle_one(
+        distserve: Cluster) -> None:
+    for owner in (1, 2, 3):  # caches the first Prefill keeps until their Decode takes them
+        PROXY.ledger.open(owner, distserve.p_url, distserve.d_url)
+    idle = PrefillBook()
+    with serving(prefill_app(idle)) as url:
+        register(distserve, url, 'Prefill')
+        responses = await answers(distserve, 4, COMPLETION)
+
+    assert [response.status_code for response in responses] == [200] * 4, texts(responses)
+    assert len(idle.requests) == 4 and distserve.prefill.requests == []

@@ -50,6 +50,7 @@ class OwnerLedger:
 
     def __init__(self) -> None:
         self._open: dict[tuple[str, int], OwnerRecord] = {}
+        self._held: Counter[str] = Counter()  # open records by Prefill node
         self.releases: Counter[str] = Counter()
         self.rejections: Counter[str] = Counter()
         self.release_failures: Counter[str] = Counter()
@@ -59,6 +60,7 @@ class OwnerLedger:
         if record.key in self._open:
             raise DuplicateOwnerError(f'Prefill node {p_url} named owner {owner}, which is still open')
         self._open[record.key] = record
+        self._held[p_url] += 1
         return record
 
     def close(self, record: OwnerRecord, cause: ReleaseCause) -> bool:
@@ -66,8 +68,15 @@ class OwnerLedger:
         if self._open.get(record.key) is not record:
             return False
         del self._open[record.key]
+        self._held[record.p_url] -= 1
+        if not self._held[record.p_url]:
+            del self._held[record.p_url]
         self.releases[cause.value] += 1
         return True
+
+    def held(self, p_url: str) -> int:
+        """How many caches the Prefill node at ``p_url`` keeps for this proxy's open records."""
+        return self._held[p_url]
 
     def release_failed(self, record: OwnerRecord, cause: ReleaseCause) -> None:
         """A free for ``cause`` did not get through: the record stays open for gc to retry."""
@@ -96,7 +105,7 @@ class OwnerLedger:
         return {
             'open': len(records),
             'open_by_state': dict(Counter(record.state.value for record in records)),
-            'open_by_prefill': dict(Counter(record.p_url for record in records)),
+            'open_by_prefill': dict(self._held),
             'oldest_age_s': round(max((record.age(now) for record in records), default=0.0), 3),
             'releases': dict(self.releases),
             'owner_rejections': dict(self.rejections),

@@ -278,10 +278,15 @@ class _Relay:
             not_pooled_after_an_error(response)
             return response.status, await response.text()
 
-    def load(self, url: str) -> int:
-        """What ``url`` carries now: the calls the proxy has in flight to it, or is about to make."""
+    def calls(self, url: str) -> int:
+        """The calls the proxy has in flight to ``url``, or is about to make."""
         status = self.nodes.nodes.get(url)
         return (getattr(status, 'unfinished', 0) if status is not None else 0) + _CHOSEN[url]
+
+    def load(self, url: str) -> int:
+        """What ``url`` carries now: its calls, and the caches it keeps for the proxy's requests (a Prefill's,
+        until its Decode took them)."""
+        return self.calls(url) + self.ledger.held(url)
 
     def hold(self, owner: int) -> None:
         """Open the books on the cache the Prefill node retained for this request."""
@@ -439,7 +444,7 @@ def _admitted(relay: _Relay, model: str, role: Any, tried: set[str], now: float)
 
 
 def _busy(relay: _Relay, url: str) -> bool:
-    return 0 < NODE_MAX_IN_FLIGHT <= relay.load(url)
+    return 0 < NODE_MAX_IN_FLIGHT <= relay.calls(url)
 
 
 def _serving(relay: _Relay, model: str, role: Any) -> list[str]:
