@@ -115,7 +115,7 @@ def hanging_node() -> Iterator[str]:
 def hang_check_s(monkeypatch: pytest.MonkeyPatch) -> float:
     """A call waits 0.3 s on a node before asking its /health, which has 0.5 s to answer."""
     relay = importlib.import_module('lmdeploy_pdfix.units.proxy_distserve.relay')
-    monkeypatch.setattr(relay, 'HANG_CHECK_S', 0.3, raising=False)
+    monkeypatch.setattr(relay, 'HANG_CHECK_S', 0.3)
     monkeypatch.setattr(relay, 'HEALTH_TIMEOUT_S', 0.5)
     return 0.3 + 0.5
 
