@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # JUnit reports: a failed run ends by listing its failures from them (the last lines a CI log shows)
 RESULTS := artifacts/test-results
 
-.PHONY: env test unit demo bench lint clean system-deps
+.PHONY: env test unit e2e demo bench lint clean system-deps
 .PRECIOUS: $(VENVS)/lmdeploy-%/.requirements  # a venv is built once, not deleted as an intermediate
 
 system-deps:  ## Debian's libibverbs1: Mooncake's transfer engine links it even for TCP
@@ -27,16 +27,29 @@ install-%: system-deps $(VENVS)/lmdeploy-%/.requirements  ## this package and th
 
 env: $(foreach v,$(LMDEPLOY_VERSIONS),install-$(v))  ## every venv, with this package installed
 
-test: env  ## the whole suite against every supported LMDeploy release, then proof that regressions fail on stock
-	@for v in $(LMDEPLOY_VERSIONS); do \
-		echo "=== LMDeploy $$v"; \
-		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python -m pytest --junitxml=$(RESULTS)/lmdeploy-$$v.xml \
-			$(PYTEST_ARGS) || { $(PYTHON) scripts/junit.py $(RESULTS)/lmdeploy-$$v.xml; exit 1; }; \
-		echo "=== LMDeploy $$v, patches off: every regression test must fail"; \
-		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python scripts/prove_regressions.py || exit 1; done
+test: unit e2e  ## the whole suite against every supported LMDeploy release, with proof that regressions fail on stock
 
-unit: env  ## everything but the cluster end-to-end suite
-	@$(MAKE) --no-print-directory test PYTEST_ARGS="-m 'not e2e' $(PYTEST_ARGS)"
+# Each version's unit suite and stock proof keep about one core busy: the versions run side by side, each logging
+# to its own file, printed once both ended (the cluster suite below keeps both cores busy: one version at a time).
+unit: env  ## everything but the cluster end-to-end suite, then proof that every regression test fails on stock
+	@mkdir -p $(RESULTS); pids=""; for v in $(LMDEPLOY_VERSIONS); do \
+		$(MAKE) --no-print-directory unit-$$v > $(RESULTS)/unit-$$v.log 2>&1 & pids="$$pids $$!"; done; \
+	failed=""; set -- $(LMDEPLOY_VERSIONS); for pid in $$pids; do wait $$pid || failed="$$failed $$1"; shift; done; \
+	for v in $(LMDEPLOY_VERSIONS); do echo "=== LMDeploy $$v: unit suite, then patches off"; cat $(RESULTS)/unit-$$v.log; done; \
+	for v in $$failed; do echo "=== LMDeploy $$v failed"; $(PYTHON) scripts/junit.py $(RESULTS)/unit-$$v.xml; done; \
+	test -z "$$failed"
+
+unit-%:
+	@mkdir -p $(RESULTS)/tmp
+	env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$*/bin/python -m pytest -m 'not e2e' --basetemp=$(RESULTS)/tmp/unit-$* \
+		--junitxml=$(RESULTS)/unit-$*.xml $(PYTEST_ARGS)
+	env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$*/bin/python scripts/prove_regressions.py --basetemp=$(RESULTS)/tmp/proof-$*
+
+e2e: env  ## the cluster end-to-end suite, one version after the other
+	@for v in $(LMDEPLOY_VERSIONS); do \
+		echo "=== LMDeploy $$v: end-to-end"; \
+		env -u LMDEPLOY_PDFIX $(VENVS)/lmdeploy-$$v/bin/python -m pytest -m e2e --junitxml=$(RESULTS)/e2e-$$v.xml \
+			$(PYTEST_ARGS) || { $(PYTHON) scripts/junit.py $(RESULTS)/e2e-$$v.xml; exit 1; }; done
 
 demo: install-$(DEMO_LMDEPLOY)  ## 1 Prefill + 1 Decode, stock then patched, side by side
 	$(VENVS)/lmdeploy-$(DEMO_LMDEPLOY)/bin/python scripts/demo.py

@@ -323,9 +323,14 @@ async def test_a_hung_node_beside_a_slow_one_is_given_up_and_the_slow_one_is_wai
         distserve: Cluster, role: str, hang_check_s: float, apply_patch: Callable[[str], ModuleType]) -> None:
     apply_patch('proxy_metrics')
     distserve.prefill.delay_s = 1.0  # longer than a call waits before asking the node whether it answers
+    live = distserve.proxy.node_manager.nodes[distserve.p_url if role == 'Prefill' else distserve.d_url]
     with hanging_node() as hung:
         register(distserve, hung, role)
-        responses = await within(15, answers(distserve, 4, COMPLETION))
+        live.unfinished += 1  # busier: the hung node is chosen first
+        try:
+            responses = await within(15, answers(distserve, 4, COMPLETION))
+        finally:
+            live.unfinished -= 1
 
     assert [response.status_code for response in responses] == [200] * 4, texts(responses)
     assert all(text.startswith(decoded_text('')[:12]) for text in texts(responses)), texts(responses)
