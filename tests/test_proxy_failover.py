@@ -452,7 +452,7 @@ async def test_a_prefill_keeping_caches_for_the_proxys_requests_is_chosen_after_
     idle = PrefillBook()
     with serving(prefill_app(idle)) as url:
         register(distserve, url, 'Prefill')
-        responses = await answers(distserve, 4, COMPLETION)
+        responses = await answers(distserve, 12, COMPLETION)  # at random, all 12 to one of two: 1 in 4,096
 
-    assert [response.status_code for response in responses] == [200] * 4, texts(responses)
-    assert len(idle.requests) == 4 and distserve.prefill.requests == []
+    assert [response.status_code for response in responses] == [200] * 12, texts(responses)
+    assert len(idle.requests) == 12 and distserve.prefill.requests == []
