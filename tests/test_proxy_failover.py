@@ -213,11 +213,11 @@ async def test_a_stream_whose_decode_is_dead_is_served_by_another_decode(distser
     register(distserve, dead_node_url(), 'Decode')
     streamed = []
     body = {**COMPLETION, 'stream': True}
-    for _ in range(8):
+    for _ in range(12):  # at random, none to the dead Decode: 1 in 4,096
         async with httpx.AsyncClient(timeout=30) as client, \
                 client.stream('POST', distserve.url + '/v1/completions', json=body) as response:
             streamed.append((response.status_code, [line async for line in response.aiter_lines() if line]))
-    assert [status for status, _ in streamed] == [200] * 8
+    assert [status for status, _ in streamed] == [200] * 12
     assert all(lines[-1] == 'data: [DONE]' and 'error' not in ''.join(lines) for _, lines in streamed), streamed
     assert distserve.prefill.retained == set()
 
