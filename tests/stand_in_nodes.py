@@ -58,6 +58,7 @@ class PrefillBook(NodeBook):
     free_delay_step_s: float = 0.0  # each free takes this much longer than the one asked before it
     frees_asked: int = 0
     kv_layout: dict[str, Any] | None = None  # what its capability route says of its KV cache (None: nothing)
+    prefix_caching: bool = False  # what its capability route says: it caches prefixes
     retained: set[int] = field(default_factory=set)
     freed: list[int] = field(default_factory=list)
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -151,7 +152,8 @@ def prefill_app(book: PrefillBook) -> FastAPI:
     app = _new_app(book)
     if book.fixed:
         app.get(CAPABILITIES_PATH)(lambda: JSONResponse(
-            {'cache_owner': True, 'kv_layout': book.kv_layout} if book.probe_status == 200 else
+            {'cache_owner': True, 'kv_layout': book.kv_layout, 'prefix_caching': book.prefix_caching}
+            if book.probe_status == 200 else
             {'error': 'Unauthorized'}, status_code=book.probe_status))
 
     @app.post('/distserve/free_cache')

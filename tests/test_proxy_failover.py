@@ -456,3 +456,28 @@ async def test_a_prefill_keeping_caches_for_the_proxys_requests_is_chosen_after_
 
     assert [response.status_code for response in responses] == [200] * 12, texts(responses)
     assert len(idle.requests) == 12 and distserve.prefill.requests == []
+
+
+async def test_prompts_that_begin_alike_go_to_one_prefill_that_caches_prefixes_while_it_is_not_much_busier(
+        distserve: Cluster) -> None:
+    distserve.prefill.prefix_caching = True
+    other = PrefillBook(prefix_caching=True)
+    with serving(prefill_app(other)) as url:
+        register(distserve, url, 'Prefill')
+        await answers(distserve, 12, COMPLETION)  # each Prefill is asked what it says of itself once it is chosen
+        books = [distserve.prefill, other]
+        for book in books:
+            book.requests.clear()
+        system = 'You are a careful assistant. ' * 12  # longer than what names a prefix
+        for index in range(12):
+            assert (await distserve.post('/v1/completions', {**COMPLETION, 'prompt': f'{system}{index}'})) \
+                .status_code == 200
+        alike = [len(book.requests) for book in books]
+        for book in books:
+            book.requests.clear()
+        for index in range(16):
+            await distserve.post('/v1/completions', {**COMPLETION, 'prompt': f'{index} {system}'})
+        unlike = [len(book.requests) for book in books]
+
+    assert sorted(alike) == [0, 12]  # at random, all 12 to one of two: 1 in 2,048
+    assert min(unlike) >= 2  # prompts that begin differently spread over both

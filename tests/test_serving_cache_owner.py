@@ -219,6 +219,16 @@ async def test_prefill_node_tells_a_proxy_that_it_names_cache_owners(prefill_ser
 
 
 @pytest.mark.regression
+@pytest.mark.parametrize('caching', [True, False])
+async def test_prefill_node_tells_a_proxy_whether_it_caches_prefixes(prefill_server: PrefillServer,
+                                                                       caching: bool) -> None:
+    prefill_server.engine.backend_config = PytorchEngineConfig(role=EngineRole.Prefill,
+                                                               enable_prefix_caching=caching)
+    response = await prefill_server.client.get(CAPABILITIES_PATH)
+    assert response.status_code == 200 and response.json()['prefix_caching'] is caching
+
+
+@pytest.mark.regression
 async def test_only_a_prefill_node_keeps_a_cache_a_client_asked_to_preserve(prefill_server: PrefillServer) -> None:
     # Preserved caches are never evicted until migrated, freed or reclaimed: on other roles a client could pin KV
     for role in ('Prefill', 'Decode', 'Hybrid'):

@@ -10,8 +10,7 @@ reports what it saw and asks which nodes it may choose.
 from __future__ import annotations
 
 import enum
-import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 FIRST_BACKOFF_S = 1.0
@@ -78,8 +77,3 @@ class NodeBreakers:
         """The state of every node whose breaker is not closed."""
         return {url: self.state(url, now) for url in self._open}
 
-
-def least_loaded(urls: list[str], load: Callable[[str], float]) -> str:
-    """The node of ``urls`` that carries least now; among equals, one at random (so idle nodes share the load)."""
-    lightest = min(load(url) for url in urls)
-    return random.choice([url for url in urls if load(url) == lightest])

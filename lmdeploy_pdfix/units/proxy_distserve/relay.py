@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.batching import merge_completions, split_prompts
-from lmdeploy_pdfix.domain.breakers import NodeBreakers, least_loaded
+from lmdeploy_pdfix.domain.breakers import NodeBreakers
+from lmdeploy_pdfix.domain.choice import choose_node, prompt_prefix
 from lmdeploy_pdfix.domain.kv_layout import HOW_TO_PAIR, layout_differences
 from lmdeploy_pdfix.domain.ledger import DuplicateOwnerError, OwnerLedger, OwnerRecord, RecordState, ReleaseCause
 from lmdeploy_pdfix.domain.protocol import (
@@ -207,6 +208,7 @@ class _Relay:
     deadline: float = 0.0  # until when the request may wait for a node (time.monotonic)
     failed_calls: Counter = field(default_factory=Counter)  # by role: calls that failed at once (see _failed)
     chosen: dict[str, str] = field(default_factory=dict)  # by role: the node chosen and not called yet
+    prefix: str | None = None  # what names the prompt's prefix (see domain/choice.py)
     p_url: str = ''
     d_url: str = ''
     record: OwnerRecord | None = None
@@ -331,6 +333,11 @@ class _CapabilityProbe:
         said = await self.said(url)
         return said if isinstance(said, _Unreachable) else said.get('cache_owner') is True
 
+    def caches_prefixes(self, url: str) -> bool:
+        """Whether ``url`` said it caches prefixes, when it was last asked (a node not asked yet: no)."""
+        known = self._known.get(url)
+        return known is not None and known[0].get('prefix_caching') is True
+
     async def kv_layout(self, url: str) -> Any:
         """The node's KV layout as it describes it; None when it does not, or cannot be asked."""
         said = await self.said(url)
@@ -437,7 +444,8 @@ def _admitted(relay: _Relay, model: str, role: Any, tried: set[str], now: float)
     admitted = [url for url in admitted if url not in tried] or admitted
     if not admitted:
         return serving
-    url = least_loaded(admitted, relay.load)
+    caching = role == relay.proxy.EngineRole.Prefill and all(_probe.caches_prefixes(url) for url in admitted)
+    url = choose_node(admitted, relay.load, relay.prefix if caching else None)
     relay.breakers.admit(url, now)
     relay.choose(role.name, url)
     return url
@@ -942,6 +950,7 @@ async def _relay_one(relay: _Relay, request_dict: dict[str, Any]) -> JSONRespons
 async def _relay_steps(relay: _Relay, request_dict: dict[str, Any]) -> JSONResponse | StreamingResponse:
     """Prefill on one node, then Decode on another; a node that cannot take its call is replaced (D29)."""
     model, roles, tried = request_dict['model'], relay.proxy.EngineRole, set()
+    relay.prefix = prompt_prefix(request_dict)
     while True:
         for role in (roles.Prefill, roles.Decode):
             chosen = await _choose(relay, model, role, tried)

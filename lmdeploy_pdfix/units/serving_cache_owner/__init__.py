@@ -198,6 +198,12 @@ def _layout_of(engine: Any) -> dict[str, Any]:
                      getattr(engine, 'backend_config', None))
 
 
+def _caches_prefixes(engine: Any) -> bool:
+    """Whether the node's engine keeps prefixes cached: the proxy then sends a prompt where its beginning may
+    be cached already."""
+    return getattr(getattr(engine, 'backend_config', None), 'enable_prefix_caching', False) is True
+
+
 def _adding_capabilities(original):
     def register(router, server_context):
         original(router, server_context)
@@ -206,8 +212,9 @@ def _adding_capabilities(original):
         async def pdfix_capabilities():
             # asked of the router, not of the switches: node_cache_routes adds claims and the truthful free together
             book = find_post_route(router.routes, CLAIM_PATH) is not None
+            engine = server_context.async_engine
             return {'cache_owner': True, 'truthful_free': book, 'claims': book, 'lmdeploy_pdfix': __version__,
-                    'kv_layout': _layout_of(server_context.async_engine)}
+                    'kv_layout': _layout_of(engine), 'prefix_caching': _caches_prefixes(engine)}
 
         @router.post(NODE_PROOF_PATH)
         async def pdfix_node_proof(raw_request: Request) -> JSONResponse:
