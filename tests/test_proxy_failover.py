@@ -59,10 +59,9 @@ def dead_node_url() -> str:
 
 
 @contextlib.contextmanager
-def dropping_node() -> Iterator[tuple[str, list[float]]]:
-    """A node that accepts each connection and closes it unanswered (a process dying under its calls); yields its
-    URL and the times it accepted one."""
-    accepted: list[float] = []
+def raw_node(on_connection: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A node at the socket level: ``on_connection`` takes each connection it accepts, and closes or keeps it.
+    Yields its URL."""
     listener = socket.create_server(('127.0.0.1', 0))
     listener.settimeout(0.1)
     done = threading.Event()
@@ -70,34 +69,7 @@ def dropping_node() -> Iterator[tuple[str, list[float]]]:
     def serve() -> None:
         while not done.is_set():
             with contextlib.suppress(TimeoutError, OSError):
-                connection, _ = listener.accept()
-                accepted.append(time.monotonic())
-                connection.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f'http://127.0.0.1:{listener.getsockname()[1]}', accepted
-    finally:
-        done.set()
-        thread.join()
-        listener.close()
-
-
-@contextlib.contextmanager
-def hanging_node() -> Iterator[str]:
-    """A node whose process hangs (SIGSTOP, a wedged event loop): it accepts connections and answers nothing, not
-    even ``/health``. Yields its URL."""
-    listener = socket.create_server(('127.0.0.1', 0))
-    listener.settimeout(0.1)
-    done = threading.Event()
-    held: list[socket.socket] = []
-
-    def serve() -> None:
-        while not done.is_set():
-            with contextlib.suppress(TimeoutError, OSError):
-                connection, _ = listener.accept()
-                held.append(connection)
+                on_connection(listener.accept()[0])
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -106,9 +78,34 @@ def hanging_node() -> Iterator[str]:
     finally:
         done.set()
         thread.join()
+        listener.close()
+
+
+@contextlib.contextmanager
+def dropping_node() -> Iterator[tuple[str, list[float]]]:
+    """A node that accepts each connection and closes it unanswered (a process dying under its calls); yields its
+    URL and the times it accepted one."""
+    accepted: list[float] = []
+
+    def drop(connection: socket.socket) -> None:
+        accepted.append(time.monotonic())
+        connection.close()
+
+    with raw_node(drop) as url:
+        yield url, accepted
+
+
+@contextlib.contextmanager
+def hanging_node() -> Iterator[str]:
+    """A node whose process hangs (SIGSTOP, a wedged event loop): it accepts connections and answers nothing, not
+    even ``/health``. Yields its URL."""
+    held: list[socket.socket] = []
+    try:
+        with raw_node(held.append) as url:
+            yield url
+    finally:
         for connection in held:
             connection.close()
-        listener.close()
 
 
 @pytest.fixture
@@ -132,34 +129,22 @@ async def within(seconds: float, work: Awaitable[T]) -> T:
 def decode_dying_with_the_cache(prefill: PrefillBook, like: str) -> Iterator[str]:
     """A Decode that answers everything as the node at ``like`` does, except a decode request: it copies the cache
     (its Prefill frees it) and dies before it answers. Yields its URL."""
-    listener = socket.create_server(('127.0.0.1', 0))
-    listener.settimeout(0.1)
-    done = threading.Event()
     upstream = like.removeprefix('http://').split(':')
 
-    def serve() -> None:
-        while not done.is_set():
-            with contextlib.suppress(TimeoutError, OSError):
-                connection, _ = listener.accept()
-                with connection:
-                    head, body = _read_request(connection)
-                    if head.startswith(b'POST /v1/'):
-                        prefill.free(json.loads(body)['migration_request']['remote_session_id'])
-                        continue  # closed unanswered
-                    with socket.create_connection((upstream[0], int(upstream[1])), timeout=5) as node:
-                        head = re.sub(rb'(?i)\r\nconnection:[^\r]*', b'', head) + b'\r\nConnection: close'
-                        node.sendall(head + b'\r\n\r\n' + body)  # one call a connection: the node then closes
-                        while chunk := node.recv(65536):
-                            connection.sendall(chunk)
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            head, body = _read_request(connection)
+            if head.startswith(b'POST /v1/'):
+                prefill.free(json.loads(body)['migration_request']['remote_session_id'])
+                return  # closed unanswered
+            with socket.create_connection((upstream[0], int(upstream[1])), timeout=5) as node:
+                head = re.sub(rb'(?i)\r\nconnection:[^\r]*', b'', head) + b'\r\nConnection: close'
+                node.sendall(head + b'\r\n\r\n' + body)  # one call a connection: the node then closes
+                while chunk := node.recv(65536):
+                    connection.sendall(chunk)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f'http://127.0.0.1:{listener.getsockname()[1]}'
-    finally:
-        done.set()
-        thread.join()
-        listener.close()
+    with raw_node(answer) as url:
+        yield url
 
 
 def _read_request(connection: socket.socket) -> tuple[bytes, bytes]:
@@ -460,12 +445,12 @@ async def test_a_prefill_keeping_caches_for_the_proxys_requests_is_chosen_after_
 
 async def test_prompts_that_begin_alike_go_to_one_prefill_that_caches_prefixes_while_it_is_not_much_busier(
         distserve: Cluster) -> None:
-    distserve.prefill.prefix_caching = True
-    other = PrefillBook(prefix_caching=True)
-    with serving(prefill_app(other)) as url:
-        register(distserve, url, 'Prefill')
+    books = [PrefillBook(prefix_caching=True), PrefillBook(prefix_caching=True)]
+    distserve.proxy.node_manager.remove(distserve.p_url)
+    with serving(prefill_app(books[0])) as first, serving(prefill_app(books[1])) as second:
+        register(distserve, first, 'Prefill')
+        register(distserve, second, 'Prefill')
         await answers(distserve, 12, COMPLETION)  # each Prefill is asked what it says of itself once it is chosen
-        books = [distserve.prefill, other]
         for book in books:
             book.requests.clear()
         system = 'You are a careful assistant. ' * 12  # longer than what names a prefix

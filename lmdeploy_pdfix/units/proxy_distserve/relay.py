@@ -455,6 +455,11 @@ def _busy(relay: _Relay, url: str) -> bool:
     return 0 < NODE_MAX_IN_FLIGHT <= relay.calls(url)
 
 
+def _all_busy(relay: _Relay, admissible: list[str]) -> bool:
+    """Whether ``admissible`` nodes are up, and every one is at its limit of calls in flight."""
+    return bool(admissible) and all(_busy(relay, url) for url in admissible)
+
+
 def _serving(relay: _Relay, model: str, role: Any) -> list[str]:
     return [url for url, status in relay.nodes.get_nodes(role).items() if model in status.models]
 
@@ -467,7 +472,7 @@ def _untried(relay: _Relay, model: str, role: Any, tried: set[str]) -> bool:
 def _no_node(relay: _Relay, model: str, role: str, serving: list[str], now: float) -> JSONResponse:
     if not serving:
         answer = relay.error(HTTPStatus.SERVICE_UNAVAILABLE, f'No {role} node serves model {model!r}.')
-    elif relay.breakers.admissible(serving, now):  # up, and every one at its limit
+    elif _all_busy(relay, relay.breakers.admissible(serving, now)):
         answer = relay.error(HTTPStatus.TOO_MANY_REQUESTS,
                              f'Every {role} node serving model {model!r} has {NODE_MAX_IN_FLIGHT} requests in flight '
                              f'({settings.NODE_MAX_IN_FLIGHT.name}); try again shortly.')
