@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from lmdeploy.pytorch.disagg.config import DistServeEngineConfig
 from lmdeploy.pytorch.disagg.conn.protocol import (
     DistServeConnectionResponse,
@@ -43,6 +43,7 @@ class NodeBook:
     node_key: str | None = None  # the node key it proves it holds (None: it has no proof route)
     proof_relayed_to: str | None = None  # a real node it passes challenges on to, as a relay would
     hung: bool = False  # its process hangs: not even /health answers
+    kv_usage: float | None = None  # the KV cache use its /metrics shows, as LMDeploy's gauge (None: no /metrics)
 
 
 @dataclass
@@ -127,6 +128,13 @@ def _add_handshake(app: FastAPI, book: NodeBook) -> None:
     async def health():  # LMDeploy's proxy heartbeat (every 90 s) removes a node whose /health is not 200
         await _while_hung(book)
         return {}
+
+    @app.get('/metrics')
+    async def metrics():
+        if book.kv_usage is None:
+            return JSONResponse({'detail': 'Not Found'}, 404)
+        return PlainTextResponse(f'# TYPE lmdeploy:gpu_cache_usage_perc gauge\n'
+                                 f'lmdeploy:gpu_cache_usage_perc{{model_name="{MODEL}"}} {book.kv_usage}\n')
 
     @app.get('/v1/models')
     async def models():

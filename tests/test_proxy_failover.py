@@ -466,3 +466,21 @@ async def test_prompts_that_begin_alike_go_to_one_prefill_that_caches_prefixes_w
 
     assert sorted(alike) == [0, 12]  # at random, all 12 to one of two: 1 in 2,048
     assert min(unlike) >= 2  # prompts that begin differently spread over both
+
+
+async def test_a_decode_whose_kv_cache_is_nearly_full_gets_requests_only_when_every_decode_is(
+        distserve: Cluster) -> None:
+    distserve.decode.kv_usage = 0.95  # LMDeploy's lmdeploy:gpu_cache_usage_perc at the node's /metrics
+    roomy = DecodeBook(kv_usage=0.1)
+    with serving(decode_app(roomy, distserve.prefill)) as url:
+        register(distserve, url, 'Decode')
+        await answers(distserve, 2, COMPLETION)  # the proxy reads each Decode's /metrics in the background
+        await asyncio.sleep(0.5)
+        roomy.migrations.clear()
+        responses = await answers(distserve, 12, COMPLETION)  # at random, all 12 to one of two: 1 in 2,048
+        distserve.proxy.node_manager.remove(url)
+        alone = await distserve.post('/v1/completions', COMPLETION)  # nearly full, but the only one
+
+    assert [response.status_code for response in responses] == [200] * 12, texts(responses)
+    assert len(roomy.migrations) == 12
+    assert alone.status_code == 200, alone.text

@@ -14,6 +14,9 @@ from collections.abc import Callable
 # a queue behind it costs more
 AFFINITY_SLACK = 2
 PREFIX_CHARS = 256  # how much of a prompt names its prefix: about its first KV blocks
+# a node whose KV cache is this full takes a request only when every node is: a new request there waits for
+# blocks, or evicts prefixes
+KV_FULL = 0.9
 
 
 def least_loaded(urls: list[str], load: Callable[[str], float]) -> str:
@@ -28,9 +31,12 @@ def prefix_home(urls: list[str], prefix: str) -> str:
     return max(urls, key=lambda url: hashlib.blake2b(f'{url}\0{prefix}'.encode(), digest_size=8).digest())
 
 
-def choose_node(urls: list[str], load: Callable[[str], float], prefix: str | None) -> str:
-    """The node of ``urls`` a request goes to: its prefix's home while that carries at most ``AFFINITY_SLACK``
-    more than the least loaded, else the least loaded; with no prefix (no prefix caching), the least loaded."""
+def choose_node(urls: list[str], load: Callable[[str], float], prefix: str | None,
+                kv_usage: Callable[[str], float | None]) -> str:
+    """The node of ``urls`` a request goes to, among those whose KV cache is not full (all, if every one is):
+    its prefix's home while that carries at most ``AFFINITY_SLACK`` more than the least loaded, else the least
+    loaded; with no prefix (no prefix caching), the least loaded."""
+    urls = [url for url in urls if (kv_usage(url) or 0.0) < KV_FULL] or urls
     lightest = least_loaded(urls, load)
     if prefix is None:
         return lightest

@@ -131,6 +131,23 @@ def parse_proof(body: Any) -> str:
     return proof
 
 
+# A node's KV cache use, as LMDeploy's api_server serves it at /metrics (a fraction, 0 to 1)
+KV_USAGE_METRIC = b'lmdeploy:gpu_cache_usage_perc'
+
+
+def parse_kv_usage(text: bytes) -> float | None:
+    """A node's KV cache use from its Prometheus text: the first sample of ``KV_USAGE_METRIC`` (a fraction from 0 to
+    1), or None where there is none that parses."""
+    for line in text.splitlines():
+        if line.startswith(KV_USAGE_METRIC) and line[len(KV_USAGE_METRIC):][:1] in (b'{', b' '):
+            try:
+                usage = float(line.rsplit(None, 1)[-1])
+            except ValueError:
+                return None
+            return usage if 0.0 <= usage <= 1.0 else None
+    return None
+
+
 def parse_json(text: str | bytes) -> Any:
     """A peer's JSON; raise ValueError for anything that is not (json's own RecursionError on deep nesting too,
     which would otherwise end the handler in a 500)."""

@@ -46,6 +46,7 @@ from lmdeploy_pdfix.domain.protocol import (
     first_logprobs_on_wire,
     is_finished_at_prefill,
     parse_json,
+    parse_kv_usage,
     parse_prefill_answer,
     refused_credentials,
 )
@@ -143,6 +144,41 @@ class _Liveness:
 
 
 _liveness = _Liveness()
+
+KV_USAGE_TTL_S = 2.0  # how old a node's KV cache use may be before it is read again
+MAX_METRICS_BYTES = 1 << 20  # what is read of a node's /metrics, whatever it sends
+
+
+class _KvUsage:
+    """Each node's KV cache use, from its /metrics (LMDeploy's gauge), read in the background once the last
+    reading is older than ``KV_USAGE_TTL_S``: a choice never waits for it. None: not known."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, tuple[float | None, float]] = {}
+        self._reading: dict[str, asyncio.Task] = {}
+
+    def __call__(self, url: str) -> float | None:
+        usage, at = self._read.get(url, (None, -math.inf))
+        reading = self._reading.get(url)
+        if time.monotonic() - at > KV_USAGE_TTL_S and (
+                reading is None or reading.done() or reading.get_loop() is not asyncio.get_running_loop()):
+            self._reading[url] = asyncio.ensure_future(self._refresh(url))
+        return usage
+
+    async def _refresh(self, url: str) -> None:
+        usage = None
+        try:
+            async with node_client().get(url + '/metrics', headers=await node_credentials_for(url),
+                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as response:
+                if response.status == HTTPStatus.OK:
+                    usage = parse_kv_usage(await response.content.read(MAX_METRICS_BYTES))
+        except (aiohttp.ClientError, asyncio.TimeoutError, UnprovenNodeError):
+            pass
+        finally:
+            self._read[url] = (usage, time.monotonic())
+
+
+_kv_usage = _KvUsage()
 
 
 async def unless_hung(url: str, work: Awaitable[T]) -> T:
@@ -445,7 +481,7 @@ def _admitted(relay: _Relay, model: str, role: Any, tried: set[str], now: float)
     if not admitted:
         return serving
     caching = role == relay.proxy.EngineRole.Prefill and all(_probe.caches_prefixes(url) for url in admitted)
-    url = choose_node(admitted, relay.load, relay.prefix if caching else None)
+    url = choose_node(admitted, relay.load, relay.prefix if caching else None, _kv_usage)
     relay.breakers.admit(url, now)
     relay.choose(role.name, url)
     return url
