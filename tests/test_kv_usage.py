@@ -21,7 +21,7 @@ from lmdeploy_pdfix.domain.protocol import parse_kv_usage
     (b'lmdeploy:gpu_cache_usage_perc lots\n', None),
     (b'lmdeploy:gpu_cache_usage_perc\n', None),
     (b'\xff\xfe lmdeploy:gpu_cache_usage_perc 0.5', None),
-], ids=['labelled', 'full', 'empty cache', 'no text', 'another metric', 'a longer name', 'NaN', 'above 1', 'below 0', 'a word',
-        'no value', 'not text'])
+], ids=['labelled', 'full', 'empty cache', 'no text', 'another metric', 'a longer name', 'NaN', 'above 1',
+        'below 0', 'a word', 'no value', 'not text'])
 def test_a_nodes_kv_cache_use_is_its_lmdeploy_gauge_or_not_known(text: bytes, usage: float | None) -> None:
     assert parse_kv_usage(text) == usage
