@@ -469,7 +469,9 @@ async def test_prompts_that_begin_alike_go_to_one_prefill_that_caches_prefixes_w
 
 
 async def test_a_decode_whose_kv_cache_is_nearly_full_gets_requests_only_when_every_decode_is(
-        distserve: Cluster) -> None:
+        distserve: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    # read again after 0.1 s, not 2 s: an earlier test's reading of this Decode (none) is not kept
+    monkeypatch.setattr(importlib.import_module('lmdeploy_pdfix.units.proxy_distserve.relay'), 'KV_USAGE_TTL_S', 0.1)
     distserve.decode.kv_usage = 0.95  # LMDeploy's lmdeploy:gpu_cache_usage_perc at the node's /metrics
     roomy = DecodeBook(kv_usage=0.1)
     with serving(decode_app(roomy, distserve.prefill)) as url:
