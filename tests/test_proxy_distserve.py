@@ -506,3 +506,38 @@ async def test_a_decode_dying_mid_stream_ends_the_stream_with_an_error_event(dis
     assert events[-1] == 'data: [DONE]'
     assert 'failed mid-stream' in json.loads(events[-2][len('data: '):])['error']['message']
     assert distserve.prefill.retained == set() and (await audit(distserve))['open'] == 0
+
+
+@pytest.mark.parametrize('path', ['/v1/completions', '/v1/chat/completions'])
+@pytest.mark.parametrize('content_type, body', [
+    ('text/plain', b'{"model": "m", "prompt": "hi"}'),
+    ('application/json', b'{"model": "m", "prompt": '),
+    ('application/json', b'[1, 2]'),
+    ('application/json', b'{"model": 3, "messages": "hi", "prompt": null}'),
+    ('application/json; charset=utf-8', b'{"model": "m", "max_tokens": "many"}'),
+], ids=['not json', 'cut short', 'a list', 'wrong types', 'a charset and a bad field'])
+async def test_a_request_the_proxy_rejects_gets_the_answer_lmdeploys_own_routes_give(
+        distserve: Cluster, path: str, content_type: str, body: bytes) -> None:
+    """DistServe requests skip FastAPI's route machinery (issue 31), so what it answers must not change."""
+    headers = {'content-type': content_type}
+    async with httpx.AsyncClient(timeout=30) as client:
+        relayed = await client.post(distserve.url + path, content=body, headers=headers)
+        distserve.proxy.node_manager.serving_strategy = distserve.proxy.ServingStrategy.Hybrid
+        try:
+            routed = await client.post(distserve.url + path, content=body, headers=headers)
+        finally:
+            distserve.proxy.node_manager.serving_strategy = distserve.proxy.ServingStrategy.DistServe
+
+    assert 400 <= relayed.status_code < 500, relayed.text
+    assert (relayed.status_code, relayed.json()) == (routed.status_code, routed.json())
+    assert distserve.prefill.requests == []
+
+
+async def test_a_browsers_request_gets_lmdeploys_cors_headers(distserve: Cluster) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(distserve.url + '/v1/completions', json=COMPLETION,
+                                     headers={'origin': 'https://chat.example'})
+
+    assert response.status_code == 200, response.text
+    assert response.headers['access-control-allow-origin'] == 'https://chat.example'
+    assert text_of(response).startswith(decoded_text('')[:12])

@@ -43,6 +43,7 @@ T = TypeVar('T')
 
 COMPLETION = {'model': MODEL, 'prompt': 'hello', 'max_tokens': 8}
 CHAT = {'model': MODEL, 'messages': [{'role': 'user', 'content': 'hello'}], 'max_tokens': 8}
+WORKER_THREADS = 40  # anyio's default limit of threads a Starlette app runs plain functions in
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +130,11 @@ async def within(seconds: float, work: Awaitable[T]) -> T:
         return await asyncio.wait_for(work, seconds)
     except asyncio.TimeoutError:
         pytest.fail(f'no answer within {seconds:g} s')
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -494,3 +500,26 @@ async def test_a_decode_whose_kv_cache_is_nearly_full_gets_requests_only_when_ev
     assert [response.status_code for response in responses] == [200] * 12, texts(responses)
     assert len(roomy.migrations) == 12
     assert alone.status_code == 200, alone.text
+
+
+async def test_completions_answer_while_registrations_of_a_hung_node_hold_every_worker_thread(
+        distserve: Cluster) -> None:
+    # LMDeploy registers a node given without a status by asking its /v1/models with no timeout, in one of the
+    # proxy's 40 worker threads; stock also runs every completion's JSON check in one of them
+    held: list[socket.socket] = []
+    with raw_node(held.append) as hung_url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            registrations = [asyncio.ensure_future(client.post(distserve.url + '/nodes/add', json={'url': hung_url}))
+                             for _ in range(WORKER_THREADS)]
+            try:
+                await within(10, until(lambda: len(held) >= WORKER_THREADS))
+                chat = await client.post(distserve.url + '/v1/chat/completions', json=CHAT, timeout=5)
+                completion = await client.post(distserve.url + '/v1/completions', json=COMPLETION, timeout=5)
+            finally:
+                for connection in held:
+                    connection.close()  # the registrations fail, and give their threads back
+                await asyncio.gather(*registrations, return_exceptions=True)
+
+    assert [chat.status_code, completion.status_code] == [200, 200], (chat.text, completion.text)
+    assert all(text.startswith(decoded_text('')[:12]) for text in texts([chat, completion]))
+    assert (await audit(distserve))['open'] == 0

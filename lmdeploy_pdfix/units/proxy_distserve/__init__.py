@@ -17,12 +17,16 @@ first token; and a Prefill/Decode pair whose KV layouts differ is refused before
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import importlib
 import time
 from collections import Counter
 from http import HTTPStatus
 from types import ModuleType
 from typing import Any
+
+from starlette.middleware import Middleware
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.ledger import OwnerLedger, ReleaseCause
@@ -43,6 +47,7 @@ from lmdeploy_pdfix.patching import (
 from lmdeploy_pdfix.shared.node_client import close_node_client
 from lmdeploy_pdfix.shared.proxy_books import PROXY
 from lmdeploy_pdfix.shared.routes import find_post_route, restore_route, swap_endpoint
+from lmdeploy_pdfix.units.proxy_distserve.fast_path import DistServeFastPath
 from lmdeploy_pdfix.units.proxy_distserve.relay import (
     FANOUT_MODULE,
     observed,
@@ -60,12 +65,18 @@ GC_AGE_S = settings.GC_AGE_S.value()
 REQUEST_DEADLINE_S = settings.REQUEST_DEADLINE_S.value()
 
 
+def _relays_distserve(proxy: ModuleType) -> bool:
+    """Whether the proxy serves DistServe through this relay (Hybrid and ``--dummy-prefill`` keep LMDeploy's)."""
+    nodes = proxy.node_manager
+    return nodes.serving_strategy == proxy.ServingStrategy.DistServe and not nodes.dummy_prefill
+
+
 def _relaying_distserve(proxy: ModuleType, path: str):
     def make_endpoint(original):
         async def endpoint(request, raw_request=None):
-            nodes = proxy.node_manager
-            if nodes.serving_strategy != proxy.ServingStrategy.DistServe or nodes.dummy_prefill:
+            if not _relays_distserve(proxy):
                 return await original(request, raw_request)
+            nodes = proxy.node_manager
             rejected = await nodes.check_request_model(request.model)
             if rejected is not None:
                 return rejected
@@ -119,6 +130,7 @@ class ProxyDistServePatch(Patch):
     wraps = (
         'lmdeploy.serve.proxy.proxy:app.router.routes',
         'lmdeploy.serve.proxy.proxy:NodeManager.add',
+        'lmdeploy.serve.proxy.proxy:app.user_middleware',
     )
 
     def __init__(self) -> None:
@@ -127,12 +139,16 @@ class ProxyDistServePatch(Patch):
 
     def shape_problem(self, module: ModuleType) -> str | None:
         missing = [name for name in ('app', 'node_manager', 'NodeManager', 'EngineRole', 'ServingStrategy',
-                                     'MigrationRequest', 'PDConnectionMessage', 'create_error_response')
+                                     'MigrationRequest', 'PDConnectionMessage', 'create_error_response',
+                                     'CompletionRequest', 'ChatCompletionRequest')
                    if not hasattr(module, name)]
         if missing:
             return f'missing {", ".join(missing)}'
-        if not isinstance(getattr(module.app.router, 'on_shutdown', None), list):
-            return 'the proxy app has no on_shutdown list'
+        if not isinstance(getattr(module.app, 'user_middleware', None), list):
+            return 'the proxy app keeps no user_middleware list'
+        router = module.app.router
+        if not all(isinstance(getattr(router, hooks, None), list) for hooks in ('on_startup', 'on_shutdown')):
+            return 'the proxy app has no on_startup and on_shutdown lists'
         routes = [path for path in (CHAT_PATH, COMPLETIONS_PATH, GC_PATH)
                   if find_post_route(module.app.router.routes, path)]
         if len(routes) != 3:
@@ -162,9 +178,18 @@ class ProxyDistServePatch(Patch):
         routes = module.app.router.routes
         for path in (CHAT_PATH, COMPLETIONS_PATH):
             self._originals.append(swap_endpoint(routes, path, _relaying_distserve(module, path)))
+        # inside the operator's middlewares (added later, outside it), outside LMDeploy's CORS and FastAPI's own
+        models = {CHAT_PATH: module.ChatCompletionRequest, COMPLETIONS_PATH: module.CompletionRequest}
+        module.app.user_middleware.insert(0, Middleware(
+            DistServeFastPath, serves=functools.partial(_relays_distserve, module),
+            routes={path: (model, find_post_route(routes, path).endpoint) for path, model in models.items()}))
+        module.app.middleware_stack = None  # (built again at the next request)
         self._originals.append(swap_endpoint(routes, GC_PATH, _collecting_garbage(module, PROXY.ledger)))
         module.app.add_api_route(AUDIT_PATH, self.audit, methods=['GET'], name='pdfix_audit')
         module.app.router.on_shutdown.append(close_node_client)
+        # LMDeploy's imports (torch among them) leave some 320,000 objects that a full collection walks: 0.1-0.2 s
+        # in which the proxy answers nobody. Frozen once it starts, they are never walked again.
+        module.app.router.on_startup.append(gc.freeze)
         self.wrap(module.NodeManager, 'add', _closing_its_breaker)
 
     def audit(self) -> dict[str, Any]:
@@ -177,11 +202,15 @@ class ProxyDistServePatch(Patch):
 
     def _revert(self, module: ModuleType) -> None:
         super()._revert(module)
+        module.app.user_middleware[:] = [layer for layer in module.app.user_middleware
+                                         if layer.cls is not DistServeFastPath]
+        module.app.middleware_stack = None
         routes = module.app.router.routes
         while self._originals:
             restore_route(routes, self._originals.pop())
         routes[:] = [route for route in routes if getattr(route, 'path', None) != AUDIT_PATH]
         module.app.router.on_shutdown.remove(close_node_client)
+        module.app.router.on_startup.remove(gc.freeze)
 
 
 PATCH = ProxyDistServePatch()
