@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 import aiohttp
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmdeploy_pdfix import settings
 from lmdeploy_pdfix.domain.batching import merge_completions, split_prompts
@@ -715,12 +715,13 @@ def _decode_request(relay: _Relay, request_dict: dict[str, Any], answer: Prefill
     return {**request_dict, 'migration_request': migration_request}
 
 
-async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse | _Unreachable:
+async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> Response | _Unreachable:
     try:
         relay.decode_started()
         status, text = await relay.post(relay.d_url, decode_request)
         relay.decode_answered()
-        body = parse_json(text) if status == HTTPStatus.OK else None
+        if status == HTTPStatus.OK:
+            parse_json(text)  # a 200 that is not JSON is the node's failure, not an answer
     except UNREACHABLE as exc:
         return _Unreachable(relay.d_url, exc)  # the client has no byte yet: another Decode may take the cache
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -730,7 +731,7 @@ async def _decode(relay: _Relay, decode_request: dict[str, Any]) -> JSONResponse
         await relay.release('Decode error')
         return relay.error(status, f'Decode node {relay.d_url}: {_error_message(status, text)}')
     relay.migrated()
-    return JSONResponse(body)
+    return Response(text, media_type='application/json')  # as the node wrote it: parsing it again costs CPU only
 
 
 class _StreamWatch:
