@@ -50,6 +50,11 @@ PATCHES: tuple[PatchSpec, ...] = (
         summary="A node's link routes and frees reach the engine without blocking the node's event loop",
     ),
     PatchSpec(
+        name='replica_registration',
+        target='lmdeploy.serve.openai.api_server',
+        summary='A node started with --proxy-url naming several proxies (comma-separated) registers with each',
+    ),
+    PatchSpec(
         name='proxy_distserve',
         target='lmdeploy.serve.proxy.proxy',
         summary='DistServe chat/completions migrate and release by cache_session_id only, on every path',

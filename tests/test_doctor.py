@@ -468,3 +468,39 @@ def test_doctor_notes_the_nodes_that_hold_no_node_key_without_calling_it_a_probl
     assert "note: 1 node(s) hold no node key: anyone who reaches such a node's port" in table
     assert report['notes'] and 'docs/security.md' in report['notes'][0]
     assert [row['node_key'] for row in report['nodes']] == [None, False]  # the Prefill says nothing of it
+
+
+# ---------------------------------------------------------------------------------------------- proxy replicas
+
+
+def replica_of(stand_ins: StandIns, nodes: dict[str, Any]) -> str:
+    """A second stand-in proxy over ``nodes`` (its routes at /replica); its URL."""
+    stand_ins.answers['/replica' + NODES_PATH] = json_answer(nodes)
+    stand_ins.answers['/replica' + AUDIT_PATH] = json_answer(proxy_books())
+    return f'{stand_ins.url}/replica'
+
+
+def test_replicas_that_route_to_the_same_nodes_are_exit_0(stand_ins: StandIns) -> None:
+    both = {stand_ins.node_url('prefill'): node_status(2), stand_ins.node_url('decode'): node_status(3)}
+    table, report = table_and_report(f'{stand_ins.url},{replica_of(stand_ins, both)}', HEALTHY)
+
+    assert [replica['proxy'] for replica in report['replicas']] == [stand_ins.url, f'{stand_ins.url}/replica']
+    assert report['problems'] == []
+    assert 'the replicas agree on their nodes' in table
+
+
+def test_a_node_registered_with_one_replica_only_is_named_with_the_fix(stand_ins: StandIns) -> None:
+    prefill_only = {stand_ins.node_url('prefill'): node_status(2)}
+    table, report = table_and_report(f'{stand_ins.url},{replica_of(stand_ins, prefill_only)}', PROBLEMS)
+
+    (problem,) = report['problems']
+    assert problem.startswith(f"Decode {stand_ins.node_url('decode')} is registered with {stand_ins.url} but not "
+                              f'with {stand_ins.url}/replica')
+    assert '--proxy-url naming every replica' in problem and problem in table
+
+
+def test_a_replica_that_does_not_answer_is_exit_3_and_the_others_are_still_examined(stand_ins: StandIns) -> None:
+    table, report = table_and_report(f'{stand_ins.url},{stand_ins.url}/gone', COULD_NOT_ASK)
+
+    assert [replica['proxy_answered'] for replica in report['replicas']] == [True, False]
+    assert stand_ins.node_url('decode') in table

@@ -92,6 +92,11 @@ _NONCE = re.compile(r'[0-9a-f]{32}')
 _PROOF = re.compile(r'[0-9a-f]{64}')
 
 
+def proxy_urls(value: str | None) -> list[str]:
+    """The proxy replicas a ``--proxy-url`` names: one URL, or several separated by commas (D30)."""
+    return [url.strip().rstrip('/') for url in (value or '').split(',') if url.strip()]
+
+
 def node_address(host: str, port: int) -> str:
     """``host:port`` as a node proof names an address (an IPv4 address seen through an IPv6 socket as itself)."""
     host = host.removeprefix('::ffff:')

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor_parser = commands.add_parser('doctor', help='ask a DistServe proxy and each of its nodes; list problems',
                                         epilog='exit status: 0 healthy, 1 problems found, 3 the proxy could not be '
                                                'asked (2: a wrong command line)')
-    doctor_parser.add_argument('--proxy', required=True, help='the proxy URL, e.g. http://127.0.0.1:8000')
+    doctor_parser.add_argument('--proxy', required=True, help='the proxy URL, e.g. http://127.0.0.1:8000, or its '
+                                                              "replicas' URLs, comma-separated")
     doctor_parser.add_argument('--json', action='store_true', help='machine-readable output')
     doctor_parser.add_argument('--timeout', type=_seconds, default=5.0, help='seconds to wait for each answer')
     args = parser.parse_args(argv)

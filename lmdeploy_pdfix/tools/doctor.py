@@ -33,12 +33,14 @@ from lmdeploy_pdfix.domain.protocol import (
     node_credentials,
     parse_proof,
     proves_key,
+    proxy_urls,
     refused_credentials,
 )
 
 NODES_PATH = '/nodes/status'
 ROLES = {1: 'Hybrid', 2: 'Prefill', 3: 'Decode'}  # LMDeploy's EngineRole, as its proxy serializes it
 ENABLE_HINT = 'enable lmdeploy-pdfix there (LMDEPLOY_PDFIX=1) and restart it'
+REPLICAS_HINT = 'start each node with --proxy-url naming every replica, comma-separated'
 HEALTHY, PROBLEMS, COULD_NOT_ASK = 0, 1, 3  # not 2: argparse exits 2 on a wrong command line
 MAX_ANSWER_BYTES = 1 << 20  # an audit is a few KiB; /nodes/status about 0.5 KiB a node: some 2000 nodes
 MAX_NAME_CHARS = 128  # a version, a unit, a state, a cause
@@ -448,10 +450,44 @@ def _cells(row: NodeRow) -> tuple[str, ...]:
             '-' if row.links is None else str(row.links))
 
 
+def replica_problems(reports: list[Report]) -> list[str]:
+    """What proxy replicas over the same nodes disagree on: a node one replica routes to and another does not
+    know (it was started with a ``--proxy-url`` that does not name every replica, D30)."""
+    asked = [report for report in reports if report.proxy_answered]
+    listed: dict[tuple[str, str], set[str]] = {}
+    for report in asked:
+        for row in report.nodes:
+            if not row.removed_by_heartbeat:
+                listed.setdefault((row.role, row.url), set()).add(report.proxy)
+    problems = []
+    for (role, url), proxies in sorted(listed.items()):
+        missing = [report.proxy for report in asked if report.proxy not in proxies]
+        if missing:
+            problems.append(f'{role} {url} is registered with {", ".join(sorted(proxies))} but not with '
+                            f'{", ".join(missing)}; {REPLICAS_HINT}')
+    return problems
+
+
 def doctor(proxy_url: str, as_json: bool, timeout_s: float) -> int:
-    report = examine(proxy_url, timeout_s)
+    """Examine the proxy, or each replica of a comma-separated list, and print the verdict; its exit status."""
+    reports = [examine(url, timeout_s) for url in proxy_urls(proxy_url) or [proxy_url]]
+    if len(reports) == 1:
+        (report,) = reports
+        if as_json:
+            print(json.dumps(report.as_dict(), indent=2))
+        else:
+            print_table(report)
+        return report.exit_status
+    problems = replica_problems(reports)
+    statuses = [report.exit_status for report in reports] + [PROBLEMS if problems else HEALTHY]
+    status = COULD_NOT_ASK if COULD_NOT_ASK in statuses else max(statuses)
     if as_json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
+        print(json.dumps({'replicas': [report.as_dict() for report in reports], 'problems': problems,
+                          'exit_status': status}, indent=2))
+        return status
+    for report in reports:
         print_table(report)
-    return report.exit_status
+    print('across the replicas:' if problems else 'the replicas agree on their nodes')
+    for problem in problems:
+        print(f'  - {problem}')
+    return status
