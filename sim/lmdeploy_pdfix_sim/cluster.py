@@ -42,6 +42,7 @@ _NODE_PORTS = range(20000, 32768)
 class ClusterConfig:
     prefill: int = 1
     decode: int = 1
+    proxies: int = 1  # replicas of the proxy over the same nodes; every node registers with each (D30)
     hybrid: int = 0  # --role Hybrid nodes of the same model beside the cluster, not registered with its proxy
     stock: bool = False  # LMDEPLOY_PDFIX unset: LMDeploy as released, only the model emulated
     stock_roles: tuple[str, ...] = ()  # roles (Proxy, Prefill, Decode) run stock even when ``stock`` is False
@@ -80,7 +81,11 @@ class Cluster:
 
     @property
     def proxy_url(self) -> str:
-        return self._urls('Proxy')[0]
+        return self.proxy_urls[0]
+
+    @property
+    def proxy_urls(self) -> list[str]:
+        return self._urls('Proxy')
 
     @property
     def prefill_urls(self) -> list[str]:
@@ -114,17 +119,18 @@ class Cluster:
         model.ensure_model_dir(cfg.model_dir)
         # The nodes start beside the proxy: a node registers only once its engine is built, seconds after the
         # proxy answers; one that still came too early is started again (``_register_late``).
-        proxy = self._spawn('proxy', 'Proxy', self._proxy_args)
+        proxies = [self._spawn(f'proxy{i or ""}', 'Proxy', self._proxy_args) for i in range(cfg.proxies)]
         nodes = [self._spawn(f'prefill{i}', 'Prefill', self._node_args) for i in range(cfg.prefill)]
         nodes += [self._spawn(f'decode{i}', 'Decode', self._node_args) for i in range(cfg.decode)]
         nodes += [self._spawn(f'hybrid{i}', 'Hybrid', self._node_args) for i in range(cfg.hybrid)]
         deadline = time.monotonic() + cfg.startup_timeout_s
-        wait_http_ok(f'{proxy.url}/nodes/status', deadline, proxy.pid)
+        for proxy in proxies:
+            wait_http_ok(f'{proxy.url}/nodes/status', deadline, proxy.pid)
         for node in nodes:
             wait_http_ok(f'{node.url}/health', deadline, node.pid)
         self._register_late(deadline)
         self._wait_registered(deadline)
-        if cfg.warmup:
+        for proxy in proxies if cfg.warmup else ():
             http_json('POST', f'{proxy.url}/distserve/connection_warmup', {}, timeout=60, headers=self.credentials)
 
     @property
@@ -145,7 +151,7 @@ class Cluster:
                 '--log-level', 'INFO', '--max-batch-size', str(self.config.max_batch_size), *self._keys(),
                 *self.config.node_args]
         if role != 'Hybrid':  # a Hybrid node answers by itself: the reference a DistServe answer must equal
-            args += ['--migration-backend', 'Mooncake', '--proxy-url', self.proxy_url]
+            args += ['--migration-backend', 'Mooncake', '--proxy-url', ','.join(self.proxy_urls)]
         if role == 'Decode':
             args += self.config.decode_args
         if self.config.max_prefill_token_num is not None:
@@ -213,13 +219,12 @@ class Cluster:
 
     def _wait_registered(self, deadline: float) -> None:
         expected = {proc.url for proc in self.processes if proc.role in ('Prefill', 'Decode')}
-        while True:
-            status = http_json('GET', f'{self.proxy_url}/nodes/status', timeout=5) or {}
-            if expected <= set(status):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f'nodes not registered with the proxy: {sorted(expected - set(status))}')
-            time.sleep(0.5)
+        for proxy_url in self.proxy_urls:
+            while not expected <= set(status := http_json('GET', f'{proxy_url}/nodes/status', timeout=5) or {}):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f'nodes not registered with the proxy {proxy_url}: '
+                                       f'{sorted(expected - set(status))}')
+                time.sleep(0.5)
 
     def process(self, url: str) -> Process:
         """The process serving ``url`` (proxy or node)."""

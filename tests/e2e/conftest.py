@@ -80,8 +80,9 @@ def mixed_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster
 
 @pytest.fixture(scope='session')
 def two_by_two_session_cluster(start_cluster: Callable[..., Any]) -> Iterator[Cluster]:
-    """2 Prefill + 2 Decode nodes behind one patched proxy; a node that hangs is found out within 5 + 2 s."""
-    yield from _session_cluster(start_cluster, 'patched-2p2d', stock=False, prefill=2, decode=2,
+    """2 Prefill + 2 Decode nodes behind two patched proxy replicas (the failover tests use the first); a node
+    that hangs is found out within 5 + 2 s."""
+    yield from _session_cluster(start_cluster, 'patched-2p2d', stock=False, prefill=2, decode=2, proxies=2,
                                 env={'LMDEPLOY_PDFIX_HEALTH_TIMEOUT_S': '2'})
 
 
