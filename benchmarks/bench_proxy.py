@@ -117,7 +117,7 @@ def answered_text(raw: bytes, stream: bool) -> str:
             return choice.get('text') or choice['message']['content']
         events = [json.loads(line[6:]) for line in raw.decode().splitlines()
                   if line.startswith('data: ') and line != 'data: [DONE]']
-        return ''.join(event['choices'][0]['text'] for event in events)
+        return ' '.join(event['choices'][0]['text'] for event in events)  # the stand-in streams a word an event
     except (ValueError, KeyError, IndexError, TypeError):
         return ''
 
@@ -135,7 +135,7 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str) -> tuple[bool
             raw = await response.read()
     except aiohttp.ClientError:  # stock's DistServe chat resets the connection (D1)
         return False, time.perf_counter() - began
-    words = answered_text(raw, body['stream']).split()  # the stand-in Decode streams its words without spaces
+    words = answered_text(raw, body['stream']).split()
     ok = response.status == 200 and words[:4] == ['decoded', 'from', 'Prefill', 'session']
     return ok, time.perf_counter() - began
 
