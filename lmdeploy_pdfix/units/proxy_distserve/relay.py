@@ -190,7 +190,8 @@ async def unless_hung(url: str, work: Awaitable[T]) -> T:
     try:
         return await work
     except asyncio.CancelledError:
-        if watch.hung and watch.task.uncancel() == 0:
+        uncancel = getattr(watch.task, 'uncancel', None)  # Python 3.11+; on 3.10 a cancel while hung reads as hung
+        if watch.hung and (uncancel is None or uncancel() == 0):
             raise NodeHungError(f'{url} stopped answering: its /health did not answer within '
                                 f'{HEALTH_TIMEOUT_S:g} s') from None
         raise
