@@ -182,46 +182,21 @@ _kv_usage = _KvUsage()
 
 
 async def unless_hung(url: str, work: Awaitable[T]) -> T:
-    """``work``'s result, or NodeHungError once ``url`` stops answering while ``work`` waits on it (D29).
-
-    ``work`` runs in this task; a timer asks the node's liveness each ``HANG_CHECK_S`` it waits (a task and a
-    wait per call cost the proxy a tenth of its CPU per request)."""
-    watch = _HangWatch(url, asyncio.current_task())
+    """``work``'s result, or NodeHungError once ``url`` stops answering while ``work`` waits on it (D29)."""
+    task = asyncio.ensure_future(work)
     try:
-        return await work
-    except asyncio.CancelledError:
-        uncancel = getattr(watch.task, 'uncancel', None)  # Python 3.11+; on 3.10 a cancel while hung reads as hung
-        if watch.hung and (uncancel is None or uncancel() == 0):
-            raise NodeHungError(f'{url} stopped answering: its /health did not answer within '
-                                f'{HEALTH_TIMEOUT_S:g} s') from None
-        raise
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=HANG_CHECK_S)
+            if not done:
+                probe = _liveness.probe(url)
+                await asyncio.wait((task, probe), return_when=asyncio.FIRST_COMPLETED)
+                if not task.done() and not probe.result():
+                    raise NodeHungError(f'{url} stopped answering: its /health did not answer within '
+                                        f'{HEALTH_TIMEOUT_S:g} s')
+            if task.done():
+                return task.result()
     finally:
-        watch.stop()
-
-
-class _HangWatch:
-    """Cancels ``task`` once ``url`` fails a liveness probe, asked each ``HANG_CHECK_S`` until :meth:`stop`."""
-
-    def __init__(self, url: str, task: asyncio.Task) -> None:
-        self.url, self.task, self.hung = url, task, False
-        self._timer: asyncio.TimerHandle | None = task.get_loop().call_later(HANG_CHECK_S, self._check)
-
-    def _check(self) -> None:
-        _liveness.probe(self.url).add_done_callback(self._judged)
-
-    def _judged(self, probe: asyncio.Future[bool]) -> None:
-        if self._timer is None:  # stopped meanwhile
-            return
-        if probe.result():
-            self._timer = self.task.get_loop().call_later(HANG_CHECK_S, self._check)
-            return
-        self.hung = True
-        self.task.cancel()
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        task.cancel()  # a no-op once it is done; else the call is given up and its connection closed
 
 
 @dataclass
